@@ -1,0 +1,1 @@
+"""vbatch.batch: batch files in and out (readers, validation, writers, ordering, resume, shards) for `vbatch run`."""
