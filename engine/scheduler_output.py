@@ -53,6 +53,9 @@ class Logprobs:
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     ranks: list[int]
+    # Prompt logprobs only: the prompt index of the token that position 0 scores (chunks and
+    # recompute after preemption arrive with their own start, so the collector can drop repeats).
+    start_position: int = 0
 
 
 @dataclass(frozen=True)
