@@ -22,6 +22,15 @@ def _err(name: str, message: str) -> SamplingParamsError:
     return SamplingParamsError(name, message)
 
 
+def _as_list(name: str, value: Any) -> list:
+    """None -> [], a list/tuple/set -> a new list; anything else names the field."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    raise _err(name, f"must be a list, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -56,14 +65,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  frozen normalisation
-        if self.stop is None:
-            set_("stop", [])
-        elif isinstance(self.stop, str):
+        if isinstance(self.stop, str):
             set_("stop", [self.stop])
-        else:
-            set_("stop", list(self.stop))
-        set_("stop_token_ids", list(self.stop_token_ids or []))
-        set_("bad_words", list(self.bad_words or []))
+        set_("stop", _as_list("stop", self.stop))
+        set_("stop_token_ids", _as_list("stop_token_ids", self.stop_token_ids))
+        set_("bad_words", _as_list("bad_words", self.bad_words))
+        if self.allowed_token_ids is not None:
+            set_("allowed_token_ids", _as_list("allowed_token_ids", self.allowed_token_ids))
         if self.logit_bias is not None:
             try:
                 set_("logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
@@ -104,8 +112,9 @@ class SamplingParams:
                 raise _err(name, f"must be in [-2, 2], got {v!r}")
         if not is_num(self.repetition_penalty) or not self.repetition_penalty > 0.0:
             raise _err("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise _err("seed", f"must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**64):
+            # The range torch.Generator.manual_seed accepts: fail here, not mid-run.
+            raise _err("seed", f"must be a 64-bit integer or None, got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 raise _err("stop", f"must be non-empty strings, got {s!r}")
