@@ -1,0 +1,109 @@
+"""Reference paged attention (plain PyTorch): the specification, CPU path and test oracle.
+
+Called by every attention layer through `kernels.ops`, after `write_kv_cache` has put this
+step's keys/values into the cache. One routine serves decode, prefill, prefill on a cached
+prefix and chunked prefill: request r's query token i sits at absolute position
+context_lens[r] + i and attends causally to cache positions 0..that position, read through
+its block table.
+
+NOTE: q, k and v are upcast to fp32 before SDPA and the result cast back: softmax in fp32 is
+the accuracy contract, and on this CPU bf16 SDPA is 6-12x slower than fp32 anyway.
+NOTE: decode requests (query length 1) of any lengths go through one padded SDPA call; padded
+key/value slots are zeroed, because never-written cache blocks may hold NaN bit patterns and
+0 * NaN would leak through the masked softmax. Requests with longer queries loop in Python
+(one SDPA each); a later issue may batch them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention_metadata import AttentionMetadata
+
+
+def _gather_request_kv(
+    cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_num_blocks] int32
+    seq_len: int,
+) -> torch.Tensor:              # [seq_len, num_kv_heads, head_dim] fp32
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks].to(torch.long))
+    return blocks.reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len].float()
+
+
+def _attend_one_request(
+    query: torch.Tensor,  # [query_len, num_q_heads, head_dim]
+    key: torch.Tensor,    # [seq_len, num_kv_heads, head_dim] fp32
+    value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim] fp32
+    scale: float,
+) -> torch.Tensor:        # [query_len, num_q_heads, head_dim] fp32
+    query_len, seq_len = query.shape[0], key.shape[0]
+    context_len = seq_len - query_len
+    # Query i may see keys 0..context_len + i (the causal diagonal shifted by the cached prefix).
+    query_positions = torch.arange(query_len, device=query.device) + context_len
+    mask = torch.arange(seq_len, device=query.device)[None, :] <= query_positions[:, None]
+    out = F.scaled_dot_product_attention(
+        query.float().transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=True)  # [num_q_heads, query_len, head_dim]
+    return out.transpose(0, 1)
+
+
+def _attend_decode_batch(
+    query: torch.Tensor,         # [num_decodes, num_q_heads, head_dim]
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_decodes, max_num_blocks] int32
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:               # [num_decodes, num_q_heads, head_dim] fp32
+    num_decodes = len(seq_lens)
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_blocks = -(-max(seq_lens) // block_size)
+    padded_len = num_blocks * block_size
+    tables = block_tables[:, :num_blocks].to(torch.long)
+    lens = torch.tensor(seq_lens, device=query.device)
+    is_valid = torch.arange(padded_len, device=query.device)[None, :] < lens[:, None]  # [B, S]
+    keep = is_valid[:, :, None, None]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B, num_kv_heads, S, head_dim] fp32
+        rows = cache[tables].reshape(num_decodes, padded_len, num_kv_heads, head_dim).float()
+        return rows.masked_fill(~keep, 0.0).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        query.float().unsqueeze(2), gather(key_cache), gather(value_cache),
+        attn_mask=is_valid[:, None, None, :], scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
+    return out.squeeze(2)
+
+
+def paged_attention(
+    query: torch.Tensor,        # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:              # [num_tokens, num_q_heads, head_dim], dtype of query
+    assert query.shape[1] % key_cache.shape[2] == 0, "num_q_heads must be a multiple of num_kv_heads"
+    out = torch.empty_like(query)
+    decode_reqs: list[int] = []
+    decode_tokens: list[int] = []
+    start = 0
+    for req, (query_len, seq_len) in enumerate(zip(attn.query_lens_list, attn.seq_lens_list)):
+        if query_len == 1:
+            decode_reqs.append(req)
+            decode_tokens.append(start)
+        elif query_len > 1:
+            key = _gather_request_kv(key_cache, attn.block_tables[req], seq_len)
+            value = _gather_request_kv(value_cache, attn.block_tables[req], seq_len)
+            rows = _attend_one_request(query[start:start + query_len], key, value, scale)
+            out[start:start + query_len] = rows.to(out.dtype)
+        start += query_len
+    if decode_reqs:
+        req_index = torch.tensor(decode_reqs, device=query.device)
+        token_index = torch.tensor(decode_tokens, device=query.device)
+        rows = _attend_decode_batch(
+            query.index_select(0, token_index), key_cache, value_cache,
+            attn.block_tables.index_select(0, req_index),
+            [attn.seq_lens_list[r] for r in decode_reqs], scale)
+        out.index_copy_(0, token_index, rows.to(out.dtype))
+    return out
