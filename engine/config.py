@@ -90,16 +90,25 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     """Most sequences running at once (the decode batch size)."""
-    max_num_batched_tokens: int = 8192
-    """Token budget of one step, shared by decodes and (chunks of) prefills."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step, shared by decodes and (chunks of) prefills. None: 8192, raised to
+    max_model_len when chunked prefill is off (a whole prompt must then fit one step)."""
     enable_chunked_prefill: bool = True
     """Cut prompts that do not fit the step's budget into chunks. Off: a prompt waits until it fits whole."""
     max_model_len: int = 2048
     """Filled from ModelConfig once the model is known."""
 
+    @property
+    def token_budget(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if self.enable_chunked_prefill else max(8192, self.max_model_len)
+
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is None:
+            return
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -1,0 +1,113 @@
+"""Flatten one SchedulerOutput into the tensors a forward pass takes (a pure function).
+
+Called by the ModelRunner each step. Requests are laid one after another in the token
+dimension (see kernels/attention_metadata.py). Besides the model inputs it says which hidden
+rows need logits: the last row of every request that samples this step, and every row of a
+prompt chunk whose request asked for prompt logprobs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vbatch.kernels.attention_metadata import AttentionMetadata
+
+from .scheduler_output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class PromptLogprobsSlice:
+    """Rows [row_start, row_start + num) of the logits score prompt tokens start_position.. of request `index`."""
+
+    index: int              # position of the request in SchedulerOutput.scheduled
+    row_start: int          # first row in the logits tensor
+    num: int
+    start_position: int     # prompt index of the token scored by the first row
+    target_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    input_ids: torch.Tensor        # [num_tokens] int64
+    positions: torch.Tensor        # [num_tokens] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor   # [num_logits_rows] int64: hidden rows to compute logits for
+    sample_rows: tuple[int, ...]   # logits row of each sampling request, in `sample_reqs` order
+    sample_reqs: tuple[int, ...]   # indices into SchedulerOutput.scheduled of the sampling requests
+    prompt_logprobs: tuple[PromptLogprobsSlice, ...]
+
+
+def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    scheduled = sched.scheduled
+    num_reqs = len(scheduled)
+    query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+    context_lens = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+    seq_lens = context_lens + query_lens
+    query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+
+    # Token ids: a decode is one list index; prefill chunks are list slices.
+    input_ids = np.empty(num_tokens, dtype=np.int64)
+    for i, s in enumerate(scheduled):
+        c, n = int(context_lens[i]), int(query_lens[i])
+        if n == 1:
+            input_ids[query_start[i]] = s.request.all_token_ids[c]
+        else:
+            input_ids[query_start[i]:query_start[i + 1]] = s.request.all_token_ids[c:c + n]
+
+    # positions[t] = context_len(r) + (t - query_start[r]) for the request r owning token t.
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)                       # [num_tokens]
+    positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start[:-1] - context_lens, query_lens)
+
+    max_blocks = max((len(s.block_ids) for s in scheduled), default=1)
+    block_tables = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
+    for i, s in enumerate(scheduled):
+        block_tables[i, :len(s.block_ids)] = s.block_ids
+    slot_mapping = block_tables[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    # Logits rows: prompt-logprob chunks first need every row; samplers need their last row.
+    logits_idx: list[int] = []
+    sample_rows: list[int] = []
+    sample_reqs: list[int] = []
+    plp: list[PromptLogprobsSlice] = []
+    for i, s in enumerate(scheduled):
+        req = s.request
+        last = int(query_start[i + 1]) - 1
+        if req.needs_prompt_logprobs:
+            c = int(context_lens[i])
+            end = min(c + int(query_lens[i]), req.num_prompt_tokens - 1)   # rows that score a prompt token
+            if end > c:
+                plp.append(PromptLogprobsSlice(i, len(logits_idx), end - c, c + 1,
+                                               tuple(req.prompt_token_ids[c + 1:end + 1])))
+                logits_idx.extend(range(int(query_start[i]), int(query_start[i]) + end - c))
+        if s.will_sample:
+            # The last prompt row may already be listed above only if it scored a prompt token,
+            # which it never does (it predicts the first output), so no row is listed twice.
+            sample_rows.append(len(logits_idx))
+            sample_reqs.append(i)
+            logits_idx.append(last)
+
+    attn = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        block_size=block_size,
+        max_query_len=int(query_lens.max()) if num_reqs else 0,
+        max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+        query_lens_list=tuple(query_lens.tolist()),
+        seq_lens_list=tuple(seq_lens.tolist()),
+    )
+    return ModelInputs(
+        input_ids=torch.from_numpy(input_ids).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        attn=attn,
+        logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
+        sample_rows=tuple(sample_rows),
+        sample_reqs=tuple(sample_reqs),
+        prompt_logprobs=tuple(plp),
+    )

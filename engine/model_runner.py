@@ -1,0 +1,163 @@
+"""ModelRunner: owns the model weights and the KV cache; runs one scheduled step.
+
+Called by LLMEngine: `load_model()` once, `initialize_kv_cache()` once (sizes it from the
+memory budget), then `execute_model(SchedulerOutput) -> ModelRunnerOutput` every step.
+It never decides what to run (the Scheduler does) and never touches request state.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from .config import EngineConfig
+from .inputs import ModelInputs, prepare_inputs
+from .models.registry import get_model_class
+from .models.weights import iter_weights
+from .sampler import Sampler, compute_prompt_logprobs
+from .sampling_metadata import SamplingMetadata
+from .scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("vbatch.engine")
+
+_CPU_DEFAULT_KV_BYTES = 4 * 2**30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_path: Path,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.model_path = model_path
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.cache.block_size
+        self.vocab_size = int(hf_config.vocab_size)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=device).manual_seed(config.model.seed)
+        self.model = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.load_seconds = 0.0
+
+    # ------------------------------------------------------------------ start-up
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        cls = get_model_class(self.hf_config)
+        with torch.device(self.device):
+            model = cls(self.hf_config, dtype=self.dtype, device=self.device)
+        model.load_weights(iter_weights(self.model_path))
+        self.model = model.eval()
+        self.load_seconds = time.perf_counter() - t0
+
+    def bytes_per_block(self) -> int:
+        m = self.model
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    def max_useful_blocks(self) -> int:
+        """Enough blocks for max_num_seqs sequences of max_model_len tokens (+1 reserved)."""
+        s = self.config.scheduler
+        return s.max_num_seqs * math.ceil(s.max_model_len / self.block_size) + 1
+
+    def kv_budget_bytes(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory
+        if self.device.type == "cuda":
+            return self._profile_cuda_budget()
+        return min(_CPU_DEFAULT_KV_BYTES, int(psutil.virtual_memory().available * 0.25))
+
+    def _profile_cuda_budget(self) -> int:
+        """Run the largest step once on dummy tokens; what it leaves of the budget becomes KV blocks."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.scheduler.max_num_batched_tokens
+        self._dummy_forward(n)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak
+        logger.info("profiling: peak %.2f GiB of %.2f GiB; KV budget %.2f GiB", peak / 2**30, total / 2**30, budget / 2**30)
+        return max(budget, 0)
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One prefill of `num_tokens` tokens over a scratch 1-block-per-16-token cache."""
+        from vbatch.kernels.attention_metadata import AttentionMetadata
+        m = self.model
+        nb = math.ceil(num_tokens / self.block_size) + 1
+        caches = [tuple(torch.zeros(m.kv_cache_shape(nb, self.block_size), dtype=self.dtype, device=self.device)
+                        for _ in range(2)) for _ in range(m.num_layers)]
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        attn = AttentionMetadata(
+            slot_mapping=pos + self.block_size, query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            context_lens=torch.zeros(1, dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(1, nb, dtype=torch.int32, device=self.device)[None],
+            block_size=self.block_size, max_query_len=num_tokens, max_seq_len=num_tokens,
+            query_lens_list=(num_tokens,), seq_lens_list=(num_tokens,))
+        with torch.inference_mode():
+            hidden = m(ids, pos, caches, attn)
+            m.compute_logits(hidden[-1:])
+        del caches, hidden
+        gc.collect()
+
+    def initialize_kv_cache(self) -> int:
+        override = self.config.cache.num_gpu_blocks_override
+        if override is not None:
+            num_blocks = override
+        else:
+            num_blocks = min(self.kv_budget_bytes() // self.bytes_per_block(), self.max_useful_blocks())
+        if num_blocks < 2:
+            from .errors import ConfigError
+            raise ConfigError("kv_cache_memory", f"leaves {num_blocks} KV blocks of {self.bytes_per_block()} bytes",
+                              hint="raise --kv-cache-memory or lower --max-model-len")
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.model.num_layers)]
+        self.num_blocks = num_blocks
+        return num_blocks
+
+    # ------------------------------------------------------------------ per step
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        inputs = prepare_inputs(sched, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)   # [T, H]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])                     # [rows, V] fp32
+        num = len(sched.scheduled)
+        sampled: list[tuple[int, ...]] = [()] * num
+        logprobs: list[Logprobs | None] = [None] * num
+        if inputs.sample_reqs:
+            self._sample(sched, inputs, logits, sampled, logprobs)
+        prompt_lps: list[Logprobs | None] = [None] * num
+        for sl in inputs.prompt_logprobs:
+            req = sched.scheduled[sl.index].request
+            lp = compute_prompt_logprobs(logits[sl.row_start:sl.row_start + sl.num],
+                                         torch.tensor(sl.target_token_ids, dtype=torch.int64, device=self.device),
+                                         req.sampling_params.prompt_logprobs)
+            prompt_lps[sl.index] = Logprobs(lp.token_ids, lp.logprobs, lp.ranks, start_position=sl.start_position)
+        return ModelRunnerOutput(
+            req_ids=tuple(s.request.request_id for s in sched.scheduled),
+            sampled_token_ids=tuple(sampled),
+            logprobs=tuple(logprobs),
+            prompt_logprobs=tuple(prompt_lps),
+        )
+
+    def _sample(self, sched: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
+                sampled: list, logprobs: list) -> None:
+        reqs = [sched.scheduled[i].request for i in inputs.sample_reqs]
+        meta = SamplingMetadata.build(reqs, vocab_size=self.vocab_size, device=self.device)
+        rows = logits[list(inputs.sample_rows)]                                               # [num_samples, V]
+        out = self.sampler(rows, meta, self.generator)
+        token_ids = out.sampled_token_ids.tolist()
+        for j, i in enumerate(inputs.sample_reqs):
+            sampled[i] = (token_ids[j],)
+            if out.logprobs is not None:
+                logprobs[i] = out.logprobs[j]

@@ -1,0 +1,141 @@
+"""Sampler: turns one step's logits into next tokens (and logprobs), vLLM V1 semantics.
+
+Called by the model runner with the logits of the rows that sample this step and the
+step's SamplingMetadata. Steps, in order (vLLM 0.33's order):
+
+1. Logprobs, when any row asks, come from the raw logits (`log_softmax` before processing).
+2. Masks: allowed_token_ids, bad words, min_tokens (stop ids) -> -inf; logit_bias added.
+3. Penalties: repetition (prompt + output), frequency and presence (output).
+4. Greedy rows: argmax of the processed logits.
+5. Random rows: temperature, min_p, top-k/top-p, then the exponential race
+   `argmax(probs / q)`, q ~ Exp(1). A seeded row draws its q with its own generator, the
+   others with `default_generator`, so a seeded row's tokens do not depend on the batch.
+6. Per asking row: the sampled token's logprob and rank, then the top-k.
+
+`compute_prompt_logprobs` serves the prompt side (the runner calls it per request chunk).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import logits_processors as lp
+from .sampling_metadata import SamplingMetadata
+from .scheduler_output import Logprobs
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor          # [num_rows] int64
+    logprobs: list[Logprobs | None]          # per row; None where the row did not ask
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor,                 # [num_rows, vocab] float32
+                 meta: SamplingMetadata,
+                 default_generator: torch.Generator | None = None) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, (logits.shape, meta.num_rows)
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
+
+        # Everything below edits a private copy: the caller's logits stay as they were.
+        logits = logits.to(torch.float32, copy=True)
+        self._apply_processors(logits, meta)
+
+        sampled = self._sample(logits, meta, default_generator)     # [num_rows] int64
+        logprobs: list[Logprobs | None] = [None] * meta.num_rows
+        if raw_logprobs is not None:
+            logprobs = _gather_sample_logprobs(raw_logprobs, sampled, meta.num_logprobs,
+                                               meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        if meta.allowed_rows is not None:
+            lp.apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_mask)
+        if meta.banned_rows is not None:
+            lp.apply_banned_tokens(logits, meta.banned_rows, meta.banned_token_ids)
+        if meta.bias_rows is not None:
+            lp.apply_logit_bias(logits, meta.bias_rows, meta.bias_token_ids, meta.bias_values)
+        if not meta.no_penalties:
+            lp.apply_penalties(logits, meta.prompt_token_mask, meta.output_token_counts,
+                               meta.repetition_penalties, meta.frequency_penalties,
+                               meta.presence_penalties)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata,
+                default_generator: torch.Generator | None) -> torch.Tensor:
+        greedy = None
+        if not meta.all_random:
+            greedy = logits.argmax(dim=-1)                            # [num_rows]
+            if meta.all_greedy:
+                return greedy
+        logits.div_(meta.temperature.unsqueeze(1))
+        if meta.min_p is not None:
+            lp.apply_min_p(logits, meta.min_p)
+        lp.apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(dim=-1)                                # [num_rows, vocab]
+        q = _exponential_noise(probs, meta.generators, default_generator)
+        random = probs.div_(q).argmax(dim=-1)                         # [num_rows]
+        if greedy is None:
+            return random
+        return torch.where(meta.is_greedy, greedy, random)
+
+
+def _exponential_noise(probs: torch.Tensor, generators: tuple[tuple[int, torch.Generator], ...],
+                       default_generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise per row; seeded rows draw a whole row from their own generator.
+
+    NOTE: a seeded row always draws exactly `vocab` numbers per step from its own generator,
+    whatever its position or batch, which is what makes seeded sampling batch-invariant.
+    """
+    q = torch.empty_like(probs)                                       # [num_rows, vocab]
+    if len(generators) < probs.shape[0]:
+        q.exponential_(generator=default_generator)
+    for row, gen in generators:
+        q[row].exponential_(generator=gen)
+    return q
+
+
+def _gather_sample_logprobs(raw_logprobs: torch.Tensor,        # [num_rows, vocab]
+                            sampled: torch.Tensor,             # [num_rows]
+                            num_logprobs: tuple[int | None, ...],
+                            max_k: int) -> list[Logprobs | None]:
+    rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+    row_index = torch.tensor(rows, dtype=torch.int64, device=raw_logprobs.device)
+    row_logprobs = raw_logprobs.index_select(0, row_index)           # [num_asking, vocab]
+    token_ids, values, ranks = _token_and_topk(row_logprobs, sampled.index_select(0, row_index), max_k)
+    out: list[Logprobs | None] = [None] * len(num_logprobs)
+    for j, i in enumerate(rows):
+        k = num_logprobs[i]
+        out[i] = Logprobs(token_ids=[token_ids[j][:k + 1]], logprobs=[values[j][:k + 1]],
+                          ranks=[ranks[j]])
+    return out
+
+
+def _token_and_topk(logprobs: torch.Tensor,                    # [num_positions, vocab]
+                    token_ids: torch.Tensor,                   # [num_positions] int64
+                    k: int) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """Per position: [token, top1..topk] ids and logprobs, and the token's rank (1 = best)."""
+    token_lp = logprobs.gather(1, token_ids.unsqueeze(1))            # [num_positions, 1]
+    # Rank counts strictly better tokens, so ties share the best rank (as vLLM does).
+    ranks = (logprobs > token_lp).sum(dim=-1) + 1                    # [num_positions]
+    ids = token_ids.unsqueeze(1)
+    values = token_lp
+    k = min(k, logprobs.shape[-1])
+    if k > 0:
+        top_values, top_ids = logprobs.topk(k, dim=-1)               # [num_positions, k]
+        ids = torch.cat([ids, top_ids], dim=1)
+        values = torch.cat([values, top_values], dim=1)
+    return ids.tolist(), values.tolist(), ranks.tolist()
+
+
+def compute_prompt_logprobs(logits: torch.Tensor,              # [num_positions, vocab] float32
+                            target_token_ids: torch.Tensor,    # [num_positions] int64
+                            k: int) -> Logprobs:
+    """Logprob, rank and top-k of the actual next prompt token at each position (raw logits)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids, values, ranks = _token_and_topk(logprobs, target_token_ids.to(torch.int64), k)
+    return Logprobs(token_ids=ids, logprobs=values, ranks=ranks)
