@@ -42,7 +42,7 @@ class Sampler:
 
         # Everything below edits a private copy: the caller's logits stay as they were.
         logits = logits.to(torch.float32, copy=True)
-        self._apply_processors(logits, meta)
+        apply_logits_processors(logits, meta)
 
         sampled = self._sample(logits, meta, default_generator)     # [num_rows] int64
         logprobs: list[Logprobs | None] = [None] * meta.num_rows
@@ -52,26 +52,12 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def _apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-        if meta.allowed_rows is not None:
-            lp.apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_mask)
-        if meta.banned_rows is not None:
-            lp.apply_banned_tokens(logits, meta.banned_rows, meta.banned_token_ids)
-        if meta.bias_rows is not None:
-            lp.apply_logit_bias(logits, meta.bias_rows, meta.bias_token_ids, meta.bias_values)
-        if not meta.no_penalties:
-            lp.apply_penalties(logits, meta.prompt_token_mask, meta.output_token_counts,
-                               meta.repetition_penalties, meta.frequency_penalties,
-                               meta.presence_penalties)
-
-    @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata,
                 default_generator: torch.Generator | None) -> torch.Tensor:
-        greedy = None
-        if not meta.all_random:
-            greedy = logits.argmax(dim=-1)                            # [num_rows]
-            if meta.all_greedy:
-                return greedy
+        # An empty batch counts as all greedy: argmax of [0, vocab] is the empty answer.
+        if meta.all_greedy:
+            return logits.argmax(dim=-1)                              # [num_rows]
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
         logits.div_(meta.temperature.unsqueeze(1))
         if meta.min_p is not None:
             lp.apply_min_p(logits, meta.min_p)
@@ -82,6 +68,20 @@ class Sampler:
         if greedy is None:
             return random
         return torch.where(meta.is_greedy, greedy, random)
+
+
+def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """Steps 2-3 in place on `logits` [num_rows, vocab]: masks, bias, then penalties."""
+    if meta.allowed_rows is not None:
+        lp.apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_mask)
+    if meta.banned_rows is not None:
+        lp.apply_banned_tokens(logits, meta.banned_rows, meta.banned_token_ids)
+    if meta.bias_rows is not None:
+        lp.apply_logit_bias(logits, meta.bias_rows, meta.bias_token_ids, meta.bias_values)
+    if not meta.no_penalties:
+        lp.apply_penalties(logits, meta.prompt_token_mask, meta.output_token_counts,
+                           meta.repetition_penalties, meta.frequency_penalties,
+                           meta.presence_penalties)
 
 
 def _exponential_noise(probs: torch.Tensor, generators: tuple[tuple[int, torch.Generator], ...],
