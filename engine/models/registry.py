@@ -1,0 +1,36 @@
+"""Architecture registry: which vbatch model class serves a Hugging Face config.
+
+Called by the model runner at start-up (`get_model_class(hf_config)`). Keyed by the config's
+`architectures[0]`; configs without `architectures` (built in code) fall back to `model_type`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UnsupportedModelError
+from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+SUPPORTED_ARCHITECTURES: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+}
+
+_BY_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def get_model_class(config: Any) -> type:
+    """The class for `config`, or UnsupportedModelError naming what was found and what is supported."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", None)
+    name = architectures[0] if architectures else _BY_MODEL_TYPE.get(str(model_type))
+    if name in SUPPORTED_ARCHITECTURES:
+        return SUPPORTED_ARCHITECTURES[name]
+    found = f"architectures={architectures}" if architectures else f"model_type={model_type!r}"
+    raise UnsupportedModelError(
+        f"unsupported model ({found}); supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
+        hint="use a Llama, Qwen2 or Mistral checkpoint")
