@@ -1,0 +1,166 @@
+"""Batch input readers: a lazy stream of BatchRecord | RecordError from JSONL, Parquet or OpenAI Batch.
+
+`open_reader(path)` picks the format from the extension and the content (Parquet magic bytes;
+a first JSON line with `custom_id` means OpenAI Batch); `-` reads stdin (JSONL or OpenAI).
+Iteration never loads the whole file: JSONL goes line by line, Parquet batch by batch. A bad
+record becomes a RecordError and reading goes on. Duplicate ids are caught here, so every
+consumer (validate, run) sees the same errors. Called by `vbatch validate` and `vbatch run`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import IO, Any, Literal
+
+from vbatch.engine.errors import InputError
+
+from .openai_input import is_openai_line, parse_openai
+from .plain_record import parse_plain
+from .record import BatchRecord, RecordError
+
+InputFormat = Literal["jsonl", "parquet", "openai"]
+PARQUET_SUFFIXES = (".parquet", ".pq")
+_PARQUET_MAGIC = b"PAR1"
+_PARQUET_BATCH_ROWS = 1024
+
+
+class RecordReader:
+    """One input file. `format` is known on construction; iterate once (stdin) or many times (files)."""
+
+    def __init__(self, path: str, *, sampling_defaults: dict[str, Any] | None = None,
+                 stdin: IO[bytes] | None = None) -> None:
+        self.path = path
+        self.name = "<stdin>" if path == "-" else path
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self._stdin = stdin
+        self._peeked: list[bytes] = []
+        self.format: InputFormat = self._detect()
+
+    # ---------------------------------------------------------------- detection
+    def _detect(self) -> InputFormat:
+        if self.path != "-":
+            if not os.path.exists(self.path):
+                raise InputError(f"{self.path}: no such file", hint="check the path (use - to read stdin)")
+            if os.path.isdir(self.path):
+                raise InputError(f"{self.path}: is a folder, not a batch file")
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+            if self.path.lower().endswith(PARQUET_SUFFIXES) or magic == _PARQUET_MAGIC:
+                return "parquet"
+        for raw in self._raw_lines(peek=True):
+            if raw.strip():
+                try:
+                    first = json.loads(raw)
+                except ValueError:
+                    return "jsonl"  # the broken line is reported when it is read
+                return "openai" if is_openai_line(first) else "jsonl"
+        return "jsonl"
+
+    def _raw_lines(self, *, peek: bool = False) -> Iterator[bytes]:
+        if self.path == "-":
+            stream = self._stdin if self._stdin is not None else sys.stdin.buffer
+            if peek:
+                for raw in stream:
+                    self._peeked.append(raw)
+                    if raw.strip():
+                        return
+                return
+            yield from self._peeked
+            self._peeked = []
+            yield from stream
+            return
+        with open(self.path, "rb") as f:
+            yield from f
+
+    # ---------------------------------------------------------------- iteration
+    def __iter__(self) -> Iterator[BatchRecord | RecordError]:
+        first_line: dict[str, int] = {}
+        rows = self._parquet_records() if self.format == "parquet" else self._jsonl_records()
+        for rec in rows:
+            if isinstance(rec, BatchRecord):
+                seen = first_line.get(rec.id)
+                if seen is not None:
+                    what = "custom_id" if rec.openai else "id"
+                    yield RecordError(id=rec.id, line=rec.line, field=what, file=self.name,
+                                      message=f"duplicate {what} {rec.id!r} (first on line {seen})",
+                                      custom_id=rec.openai.custom_id if rec.openai else None)
+                    continue
+                first_line[rec.id] = rec.line
+            yield rec
+
+    def _jsonl_records(self) -> Iterator[BatchRecord | RecordError]:
+        for line, raw in enumerate(self._raw_lines(), start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                yield RecordError(id=None, line=line, field="json", file=self.name,
+                                  message=f"not valid UTF-8 ({e.reason} at byte {e.start})")
+                continue
+            except ValueError as e:
+                msg = getattr(e, "msg", str(e))
+                col = getattr(e, "colno", None)
+                yield RecordError(id=None, line=line, field="json", file=self.name,
+                                  message=f"invalid JSON: {msg}" + (f" (column {col})" if col else ""))
+                continue
+            if self.format == "openai":
+                yield parse_openai(obj, line, file=self.name, sampling_defaults=self.sampling_defaults)
+            else:
+                yield parse_plain(obj, line, file=self.name, default_id=str(line),
+                                  sampling_defaults=self.sampling_defaults)
+
+    def _parquet_records(self) -> Iterator[BatchRecord | RecordError]:
+        import pyarrow.parquet as pq  # lazy: `vbatch --help` stays fast
+
+        try:
+            pf = pq.ParquetFile(self.path)
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            raise InputError(f"{self.name}: cannot read as Parquet ({e})") from None
+        row = 0
+        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            for obj in batch.to_pylist():
+                yield parse_plain(_clean_parquet_row(obj), row, file=self.name, default_id=str(row),
+                                  sampling_defaults=self.sampling_defaults)
+                row += 1
+
+    def count(self) -> int | None:
+        """Records (non-blank lines / rows) for progress ETA; None for stdin."""
+        if self.path == "-":
+            return None
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+            try:
+                return pq.ParquetFile(self.path).metadata.num_rows
+            except Exception:
+                return None
+        with open(self.path, "rb") as f:
+            return sum(1 for raw in f if raw.strip())
+
+
+def _clean_parquet_row(obj: dict[str, Any]) -> dict[str, Any]:
+    """Undo Parquet's column unification: a struct column gives every row every key, null where absent.
+
+    NOTE: so a null sampling field in Parquet means "not set", never an explicit None
+    (e.g. max_tokens=None for "no limit" cannot be expressed in a struct column; use JSONL).
+    """
+    sp = obj.get("sampling_params")
+    if isinstance(sp, str):
+        try:
+            obj["sampling_params"] = json.loads(sp)
+        except ValueError:
+            pass  # reported as a type error by the parser
+    elif isinstance(sp, dict):
+        obj["sampling_params"] = {k: v for k, v in sp.items() if v is not None}
+    msgs = obj.get("messages")
+    if isinstance(msgs, list):
+        obj["messages"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                           for m in msgs]
+    return obj
+
+
+def open_reader(path: str, *, sampling_defaults: dict[str, Any] | None = None,
+                stdin: IO[bytes] | None = None) -> RecordReader:
+    return RecordReader(path, sampling_defaults=sampling_defaults, stdin=stdin)

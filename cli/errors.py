@@ -1,0 +1,68 @@
+"""The one place a user-caused error becomes a message, a hint and an exit code.
+
+Every command is wrapped in `handle_errors`: a VBatchError prints `error: ...` and `hint: ...`
+on stderr and exits with the class's `exit_code`; Ctrl-C exits 130. Tracebacks only with
+`vbatch --debug` (or VBATCH_DEBUG=1). Anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+import typer
+
+from vbatch.engine.errors import VBatchError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_OK = 0
+EXIT_RECORDS_FAILED = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+EXIT_MODEL_LOAD = 4
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 every record done; 1 some records failed (see their error field); "
+    "2 bad usage or option; 3 bad input file; 4 model could not be loaded; 130 interrupted."
+)
+
+
+def is_debug() -> bool:
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    if root is not None and isinstance(root.obj, dict) and root.obj.get("debug"):
+        return True
+    return os.environ.get("VBATCH_DEBUG", "") not in ("", "0")
+
+
+def report(error: VBatchError) -> int:
+    """Print one error line and its hint on stderr; return the exit code."""
+    if is_debug():
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    typer.echo(f"error: {error}", err=True)
+    if error.hint:
+        typer.echo(f"hint: {error.hint}", err=True)
+    elif not is_debug():
+        typer.echo("hint: run with `vbatch --debug ...` for the traceback", err=True)
+    return int(getattr(error, "exit_code", 1))
+
+
+def handle_errors(command: F) -> F:
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except VBatchError as e:
+            raise typer.Exit(report(e)) from None
+        except KeyboardInterrupt:
+            typer.echo("error: interrupted", err=True)
+            typer.echo("hint: the finished records are in the .partial file next to the output", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+    return wrapper  # type: ignore[return-value]
