@@ -1,0 +1,68 @@
+"""A crash-safe output file: written at `PATH.partial`, renamed onto `PATH` only by `commit()`.
+
+A run that dies (or a writer never closed) leaves no file at the final path, only the
+partial one holding whole, fsynced records. `append=True` reopens an existing partial file,
+which is where resume will plug in. Used by every writer in `vbatch.batch.writers`.
+"""
+from __future__ import annotations
+
+import os
+from typing import BinaryIO
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def partial_path(path: str) -> str:
+    return path + PARTIAL_SUFFIX
+
+
+class AtomicFile:
+    def __init__(self, path: str, *, append: bool = False) -> None:
+        self.path = path
+        self.partial = partial_path(path)
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        self.file: BinaryIO = open(self.partial, "ab" if append else "wb")
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.file.write(data)
+
+    def sync(self) -> None:
+        """Make everything written so far durable (a checkpoint a resume can trust)."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def commit(self) -> None:
+        """Durably move the finished file onto its final path (atomic on one filesystem)."""
+        if self.closed:
+            return
+        self.sync()
+        self.file.close()
+        self.closed = True
+        os.replace(self.partial, self.path)
+        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+
+    def abandon(self) -> None:
+        """Stop writing; keep the partial file (its whole records survive) and no final file."""
+        if self.closed:
+            return
+        try:
+            self.sync()
+        finally:
+            self.file.close()
+            self.closed = True
+
+
+def _fsync_dir(folder: str) -> None:
+    # The rename itself must be durable; some filesystems refuse to open a folder, which is fine.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

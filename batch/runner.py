@@ -1,0 +1,131 @@
+"""run_batch: stream records through the engine, a bounded number in flight, outputs in input order.
+
+Data flow: reader -> (sampling params, chat template) -> `llm.engine.add_request` ->
+`llm.engine.step()` until requests finish -> ReorderWindow -> writer. Called by `vbatch run`.
+
+Engine interface relied on (vbatch.LLM): `get_default_sampling_params()`,
+`preprocess_chat(messages, chat_template=..., add_generation_prompt=True)`, and on `llm.engine`:
+`add_request(request_id, prompt_dict, params)`, `has_unfinished_requests()`, `step()` (the
+requests that finished this step), `stats` (counters dict).
+
+Steps of the loop:
+1. Admit records while fewer than `max_in_flight` are in the engine and fewer than
+   `max_pending` are admitted but unwritten (the reorder window's bound). Bad records and
+   requests the engine refuses become error results at once; they never stop the run.
+2. Write every result the reorder window can release (input order).
+3. Run one engine step; each finished RequestOutput goes into the window.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from vbatch.engine.errors import VBatchError
+
+from .record import BatchRecord, RecordError
+from .reorder import ReorderWindow
+from .result import BatchResult
+from .summary import RunSummary
+from .writers import Writer
+
+ResultHook = Callable[[BatchResult], None]
+
+
+def _params_for(base: Any, defaults: dict[str, Any], record: BatchRecord) -> Any:
+    # Precedence: record > command line > model generation_config (already in `base`).
+    return base.replace(**{**defaults, **record.sampling_overrides})
+
+
+def _prompt_for(llm: Any, record: BatchRecord, chat_template: str | None) -> dict[str, Any]:
+    if record.kind == "messages":
+        text = llm.preprocess_chat(list(record.messages or []), chat_template=chat_template,
+                                   add_generation_prompt=True, continue_final_message=False)
+        return {"prompt": text}
+    return record.engine_prompt()
+
+
+def _stat_counters(llm: Any) -> dict[str, int]:
+    stats = getattr(llm.engine, "stats", None) or {}
+    return {k: int(v) for k, v in dict(stats).items() if isinstance(v, (int, float))}
+
+
+def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm: Any,
+              defaults: dict[str, Any] | None = None, *, max_in_flight: int = 512,
+              max_pending: int | None = None, chat_template: str | None = None,
+              on_result: ResultHook | None = None) -> RunSummary:
+    assert max_in_flight >= 1
+    max_pending = max(max_pending or 4 * max_in_flight, max_in_flight)
+    defaults = dict(defaults or {})
+    engine = llm.engine
+    base = llm.get_default_sampling_params()
+    stats_before = _stat_counters(llm)
+    start = time.perf_counter()
+
+    window: ReorderWindow[BatchResult] = ReorderWindow()
+    in_engine: dict[str, tuple[int, BatchRecord]] = {}
+    source = iter(records)
+    is_exhausted = False
+    next_seq = 0
+    counts = {"requests": 0, "ok": 0, "errors": 0, "prompt": 0, "generated": 0, "cached": 0}
+
+    def emit(result: BatchResult) -> None:
+        writer.write(result)
+        counts["requests"] += 1
+        counts["ok" if result.ok else "errors"] += 1
+        out = result.output
+        if out is not None:
+            counts["prompt"] += len(out.prompt_token_ids or [])
+            counts["generated"] += sum(len(c.token_ids) for c in out.outputs)
+            counts["cached"] += int(out.num_cached_tokens or 0)
+        if on_result is not None:
+            on_result(result)
+
+    while True:
+        # 1. admit
+        while (not is_exhausted and len(in_engine) < max_in_flight
+               and len(in_engine) + window.num_held < max_pending):
+            try:
+                rec = next(source)
+            except StopIteration:
+                is_exhausted = True
+                break
+            seq, next_seq = next_seq, next_seq + 1
+            if isinstance(rec, RecordError):
+                window.put(seq, BatchResult(seq, input_error=rec))
+                continue
+            request_id = str(seq)
+            try:
+                params = _params_for(base, defaults, rec)
+                engine.add_request(request_id, _prompt_for(llm, rec, chat_template), params)
+            except VBatchError as e:
+                window.put(seq, BatchResult(seq, record=rec, error=str(e)))
+                continue
+            in_engine[request_id] = (seq, rec)
+        # 2. write what is ready, in order
+        for result in window.pop_ready():
+            emit(result)
+        if not in_engine:
+            if is_exhausted:
+                break
+            continue
+        # 3. one engine step
+        finished = engine.step()
+        for out in finished:
+            seq, rec = in_engine.pop(out.request_id)
+            window.put(seq, BatchResult(seq, record=rec, output=out))
+        assert finished or engine.has_unfinished_requests(), "engine lost requests it was given"
+
+    assert window.num_held == 0
+    stats = _stat_counters(llm)
+    delta = {k: stats.get(k, 0) - stats_before.get(k, 0) for k in stats}
+    queries = delta.get("prefix_cache_queries", 0)
+    return RunSummary(
+        num_requests=counts["requests"], num_ok=counts["ok"], num_errors=counts["errors"],
+        prompt_tokens=counts["prompt"], generated_tokens=counts["generated"],
+        cached_prompt_tokens=counts["cached"], wall_time_s=time.perf_counter() - start,
+        prefix_cache_hit_rate=(delta.get("prefix_cache_hits", 0) / queries) if queries else None,
+        num_preemptions=delta.get("num_preemptions", 0),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )

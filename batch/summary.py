@@ -1,0 +1,57 @@
+"""RunSummary: the numbers of one `vbatch run`, and their Rich table / JSON forms.
+
+Built by `vbatch.batch.runner.run_batch`; printed on stderr by `vbatch run`; `--metrics-json`
+writes `to_dict()`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    num_requests: int
+    num_ok: int
+    num_errors: int
+    prompt_tokens: int
+    generated_tokens: int
+    cached_prompt_tokens: int
+    wall_time_s: float
+    prefix_cache_hit_rate: float | None   # hits / queries from the engine; None when nothing was looked up
+    num_preemptions: int
+    peak_rss_bytes: int
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["generated_tokens_per_s"] = self.generated_tokens_per_s
+        d["requests_per_s"] = self.requests_per_s
+        return d
+
+    def rich_table(self) -> Any:
+        from rich.table import Table
+
+        rate = "-" if self.prefix_cache_hit_rate is None else f"{100 * self.prefix_cache_hit_rate:.1f}%"
+        table = Table(title="vbatch run", show_header=False)
+        table.add_column("what", style="bold")
+        table.add_column("value", justify="right")
+        for what, value in (
+            ("requests", f"{self.num_requests:,}"), ("ok", f"{self.num_ok:,}"), ("errors", f"{self.num_errors:,}"),
+            ("prompt tokens", f"{self.prompt_tokens:,}"), ("generated tokens", f"{self.generated_tokens:,}"),
+            ("generated tokens/s", f"{self.generated_tokens_per_s:,.1f}"),
+            ("requests/s", f"{self.requests_per_s:,.2f}"),
+            ("prefix cache hit rate", rate), ("preemptions", f"{self.num_preemptions:,}"),
+            ("wall time", f"{self.wall_time_s:,.2f} s"),
+            ("peak RSS", f"{self.peak_rss_bytes / 2**20:,.0f} MiB"),
+        ):
+            table.add_row(what, value)
+        return table
