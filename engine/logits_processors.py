@@ -51,26 +51,45 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
+_NUCLEUS_CANDIDATES = 256
+
+
 def apply_top_k_top_p(logits: torch.Tensor,                  # [num_rows, vocab]
                       top_k: torch.Tensor | None,            # [num_rows] int64 (vocab when off)
-                      top_p: torch.Tensor | None) -> None:   # [num_rows] float32 (1.0 when off)
-    """One ascending sort serves both filters; the masks are scattered back to vocab order.
+                      top_p: torch.Tensor | None,            # [num_rows] float32 (1.0 when off)
+                      max_top_k: int) -> None:               # max of top_k (vocab when any row is off)
+    """Keep each row's k best tokens, then the smallest best set whose mass reaches p.
 
-    top-k keeps every token at least as large as the k-th largest (ties kept); top-p keeps the
-    smallest high-probability set whose mass reaches p, always including the top token.
+    Both filters work by position on candidates sorted best-first, then scatter back. The
+    candidates come from the cheapest exact source (a full sort of a 50k vocabulary is
+    ~10x slower than a small topk on CPU):
+    - every row limits k to a small part of the vocabulary: `topk(max_top_k)`;
+    - top-p only, and the best 256 tokens already hold each row's p: `topk(256)`
+      (the nucleus is a best-first prefix, so it lies inside them);
+    - otherwise one full sort.
     """
     if top_k is None and top_p is None:
         return
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)     # [num_rows, vocab]
+    values = order = probs = None
+    if top_k is not None and max_top_k * 4 <= vocab:
+        values, order = logits.topk(max_top_k, dim=-1)               # [num_rows, max_top_k]
+    elif top_k is None and _NUCLEUS_CANDIDATES * 4 <= vocab:
+        values, order = logits.topk(_NUCLEUS_CANDIDATES, dim=-1)     # [num_rows, candidates]
+        probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        if not bool((probs.sum(dim=-1) >= top_p).all()):
+            values = order = probs = None
+    if values is None:
+        values, order = logits.sort(dim=-1, descending=True)         # [num_rows, vocab]
     if top_k is not None:
-        kth_index = (vocab - top_k.clamp(1, vocab)).unsqueeze(1)     # [num_rows, 1]
-        kth_value = sorted_logits.gather(1, kth_index)
-        sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
+        positions = torch.arange(values.shape[1], device=logits.device)
+        values.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
     if top_p is not None:
-        cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # The tail whose mass is at most 1 - p can go; the largest token always stays.
-        drop = cum_probs <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    logits.scatter_(1, order, sorted_logits)
+        if probs is None:   # top-p renormalises over what top-k kept
+            probs = values.softmax(dim=-1)
+        # Drop a token once the better tokens before it already reach p; the best token
+        # (nothing before it) always stays, even when p rounds to nothing.
+        mass_before = probs.cumsum(dim=-1) - probs
+        mass_before[:, 0] = 0.0
+        values.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    logits.fill_(float("-inf")).scatter_(1, order, values)

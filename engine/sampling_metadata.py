@@ -35,6 +35,7 @@ class SamplingMetadata:
     is_greedy: torch.Tensor | None              # [num_rows] bool; None: no greedy row
     top_p: torch.Tensor | None                  # [num_rows] float32; None: no row uses top_p
     top_k: torch.Tensor | None                  # [num_rows] int64, vocab_size when off; None: no row uses it
+    max_top_k: int                              # largest row k (vocab_size when some row is off)
     min_p: torch.Tensor | None                  # [num_rows] float32; None: no row uses min_p
     # Per-row generators for seeded rows: (row index, generator).
     generators: tuple[tuple[int, torch.Generator], ...]
@@ -119,6 +120,8 @@ class SamplingMetadata:
                 allowed.append((i, sp.allowed_token_ids))
             if sp.logit_bias:
                 for tok, bias in sp.logit_bias.items():
+                    if tok >= vocab_size:
+                        continue
                     bias_rows.append(i)
                     bias_ids.append(tok)
                     bias_vals.append(bias)
@@ -134,6 +137,7 @@ class SamplingMetadata:
                         banned_ids.append(tok)
 
         all_greedy = num_greedy == num_rows
+        max_top_k = max(top_ks, default=vocab_size)
         all_random = num_greedy == 0
         f32, i64 = torch.float32, torch.int64
 
@@ -168,7 +172,7 @@ class SamplingMetadata:
         max_k = max((k for k in num_logprobs if k is not None), default=None)
         return cls(
             num_rows=num_rows, all_greedy=all_greedy, all_random=all_random,
-            temperature=temperature, is_greedy=is_greedy, top_p=top_p, top_k=top_k, min_p=min_p,
+            temperature=temperature, is_greedy=is_greedy, top_p=top_p, top_k=top_k, max_top_k=max_top_k, min_p=min_p,
             generators=tuple(generators),
             repetition_penalties=rep, frequency_penalties=freq, presence_penalties=pres,
             prompt_token_mask=prompt_mask, output_token_counts=out_counts,

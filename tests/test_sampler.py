@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vbatch.engine.request import Request
+from vbatch.engine.logits_processors import apply_top_k_top_p
 from vbatch.engine.sampler import Sampler, SamplerOutput, apply_logits_processors, compute_prompt_logprobs
 from vbatch.engine.sampling_metadata import SamplingMetadata
 from vbatch.engine.sampling_params import SamplingParams
@@ -130,6 +131,43 @@ def test_top_k_and_top_p_together_in_one_batch():
     f_p = torch.bincount(tokens[num:], minlength=vocab).float() / num
     assert_freqs(f_k, [0, 0, 0.15 / 0.85, 0.3 / 0.85, 0.4 / 0.85])
     assert_freqs(f_p, [0, 0, 0, 0.3 / 0.7, 0.4 / 0.7])
+
+
+def naive_kept(row: list[float], k: int, p: float) -> set[int]:
+    """Per-row oracle: the k best tokens, then the best-first prefix whose renormalised mass reaches p."""
+    order = sorted(range(len(row)), key=lambda t: -row[t])[:k]
+    weights = [math.exp(row[t] - row[order[0]]) for t in order]
+    total = sum(weights)
+    kept, mass = set(), 0.0
+    for t, w in zip(order, weights):
+        kept.add(t)
+        mass += w / total
+        if mass >= p:
+            break
+    return kept
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.05])   # peaked (top-256 holds p) and flat (full sort fallback)
+def test_top_k_top_p_against_naive_oracle(scale):
+    vocab = 2048   # large enough for the topk candidate paths (k * 4 <= vocab)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=gen, dtype=torch.float64).float() * scale
+    settings = [  # (top_k per row or None, top_p per row or None)
+        ([5, 40, 100, 2, 17, 60], None),
+        (None, [0.5, 0.9, 0.95, 0.3, 0.99, 0.7]),
+        ([5, 40, 100, 2, 17, 60], [0.5, 0.9, 0.95, 0.3, 0.99, 0.7]),
+        ([vocab, 40, vocab, 700, 17, vocab], [0.5, 1.0, 0.95, 0.3, 1.0, 0.7]),   # mixed: full sort
+    ]
+    for ks, ps in settings:
+        out = logits.clone()
+        top_k = torch.tensor(ks) if ks is not None else None
+        top_p = torch.tensor(ps, dtype=torch.float32) if ps is not None else None
+        apply_top_k_top_p(out, top_k, top_p, max(ks) if ks is not None else vocab)
+        for r in range(6):
+            kept = set(torch.nonzero(torch.isfinite(out[r])).flatten().tolist())
+            expected = naive_kept(logits[r].tolist(), ks[r] if ks else vocab, ps[r] if ps else 1.0)
+            assert kept == expected, (ks, ps, r, len(kept), len(expected))
+            assert torch.equal(out[r, sorted(kept)], logits[r, sorted(kept)])
 
 
 # ------------------------------------------------------------------ logits processors
