@@ -36,6 +36,7 @@ class RecordReader:
         self.sampling_defaults = dict(sampling_defaults or {})
         self._stdin = stdin
         self._peeked: list[bytes] = []
+        self._stream: Iterator[bytes] | None = None
         self.format: InputFormat = self._detect()
 
     # ---------------------------------------------------------------- detection
@@ -60,7 +61,9 @@ class RecordReader:
 
     def _raw_lines(self, *, peek: bool = False) -> Iterator[bytes]:
         if self.path == "-":
-            stream = self._stdin if self._stdin is not None else sys.stdin.buffer
+            if self._stream is None:  # one iterator, so the peek and the read continue each other
+                self._stream = iter(self._stdin if self._stdin is not None else sys.stdin.buffer)
+            stream = self._stream
             if peek:
                 for raw in stream:
                     self._peeked.append(raw)
