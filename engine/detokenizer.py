@@ -25,8 +25,10 @@ Other differences from `tokenizer.decode`, all shared with vLLM:
 - A prompt whose last token ends mid-character is not used as context (the stream would otherwise
   re-emit prompt text); the output then starts as decode(output_ids) does, with U+FFFD for the
   orphaned bytes.
-- `spaces_between_special_tokens=False` with `skip_special_tokens=False` drops the decoder's separator
-  between two consecutive special tokens (fast path) / joins runs without spaces (offset path).
+- With `skip_special_tokens=False`: `spaces_between_special_tokens=False` drops the decoder's separator
+  between two consecutive special tokens (fast path; byte-level BPE has none anyway). On the offset path
+  True (the default) decodes the runs between added tokens separately and joins the pieces with spaces,
+  as HF slow tokenizers and vLLM's slow path do ("done <|im_end|>"); False decodes all tokens together.
 
 Stop strings (vLLM's rules): after each update only the new text plus the `len(stop) - 1` characters
 before it is searched; the stop string that ends earliest wins (ties: list order); the text is cut at
@@ -149,6 +151,8 @@ class _OffsetDecoder:
         added_vocab = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
         self._added_tokens = set(added_vocab)
         self._tokens: list[str] = self._to_tokens(context_ids)
+        if self._tokens and self._to_text(self._tokens).endswith(_REPLACEMENT_CHAR):
+            self._tokens = []  # the prompt ends mid-character: see _StreamDecoder
         self._prefix_offset = max(len(self._tokens) - _PREFIX_LOOKBACK, 0)
         self._read_offset = len(self._tokens)
 
@@ -158,9 +162,10 @@ class _OffsetDecoder:
         return list(self._tokenizer.convert_ids_to_tokens(list(ids)))
 
     def _to_text(self, tokens: list[str]) -> str:
-        if not self._added_tokens or not any(t in self._added_tokens for t in tokens):
+        if (not self._spaces_between_special_tokens or not self._added_tokens
+                or not any(t in self._added_tokens for t in tokens)):
             return self._tokenizer.convert_tokens_to_string(tokens)
-        # As HF slow tokenizers do: added tokens verbatim, the runs between them decoded.
+        # As HF slow tokenizers do: added tokens verbatim, the runs between them decoded, joined by spaces.
         parts: list[str] = []
         run: list[str] = []
         for token in tokens:
@@ -173,7 +178,7 @@ class _OffsetDecoder:
                 run.append(token)
         if run:
             parts.append(self._tokenizer.convert_tokens_to_string(run))
-        return (" " if self._spaces_between_special_tokens else "").join(parts)
+        return " ".join(parts)
 
     def decode_next(self, token_id: int) -> str:
         self._tokens.extend(self._to_tokens([token_id]))
