@@ -87,23 +87,20 @@ def _publishable(folder: Path) -> None:
 
 
 def _quiet_progress(quiet: bool):
-    """transformers draws tqdm bars while it dequantises; `quiet` must mean quiet."""
+    """transformers draws tqdm bars while it dequantises; `quiet` must mean quiet.
+
+    The dequantising loop calls tqdm directly (no transformers switch turns it off), and tqdm
+    binds its env defaults at import, so stderr itself is muted for the conversion; failures
+    still surface as exceptions.
+    """
     import contextlib
 
-    from transformers.utils import logging as hf_logging
-
-    if not quiet or not hf_logging.is_progress_bar_enabled():
+    if not quiet:
         return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _off():
-        hf_logging.disable_progress_bar()
-        try:
-            yield
-        finally:
-            hf_logging.enable_progress_bar()
-
-    return _off()
+    stack = contextlib.ExitStack()
+    sink = stack.enter_context(open(os.devnull, "w"))
+    stack.enter_context(contextlib.redirect_stderr(sink))
+    return stack
 
 
 def convert_gguf(gguf_path: Path, out: Path, *, source: dict, quiet: bool) -> Path:
