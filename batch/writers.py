@@ -107,8 +107,9 @@ class OpenAIBatchWriter(_LineWriter):
 class ParquetWriter:
     """RequestOutput records as Parquet row groups of `row_group_size` (schema: `parquet_schema()`).
 
-    NOTE: a Parquet file is only readable once its footer is written, so `OUT.partial` of a
-    crashed run is not readable as Parquet; resumable runs should write JSONL and convert.
+    NOTE: a Parquet file is only readable once its footer is written. `abort()` writes it, so the
+    partial file of an interrupted run reads as the records done so far; a killed process leaves
+    an unreadable one. Resumable runs should write JSONL.
     """
 
     def __init__(self, path: str, *, row_group_size: int = 1024) -> None:
@@ -147,8 +148,15 @@ class ParquetWriter:
         self._file.commit()
 
     def abort(self) -> None:
-        if not self._file.closed:
-            self._file.abandon()
+        if self._file.closed:
+            return
+        try:
+            # Footer the partial file: after Ctrl-C or an error it reads as the records done so far.
+            self._flush()
+            self._writer.close()
+        except Exception:  # noqa: BLE001  aborting must not hide the error that caused it
+            pass
+        self._file.abandon()
 
     def __enter__(self) -> "ParquetWriter":
         return self
