@@ -13,7 +13,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import click
 import typer
 
 from vbatch.engine.errors import VBatchError
@@ -33,12 +32,18 @@ EXIT_CODES_HELP = (
 )
 
 
+# NOTE: one process-wide flag set by the root callback on every invocation. Reading it from the
+# click context would tie us to click internals (Typer >= 0.2x vendors its own click).
+_debug = False
+
+
+def set_debug(value: bool) -> None:
+    global _debug
+    _debug = bool(value)
+
+
 def is_debug() -> bool:
-    ctx = click.get_current_context(silent=True)
-    root = ctx.find_root() if ctx is not None else None
-    if root is not None and isinstance(root.obj, dict) and root.obj.get("debug"):
-        return True
-    return os.environ.get("VBATCH_DEBUG", "") not in ("", "0")
+    return _debug or os.environ.get("VBATCH_DEBUG", "") not in ("", "0")
 
 
 def report(error: VBatchError) -> int:

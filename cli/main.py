@@ -12,7 +12,7 @@ import typer
 from vbatch import __version__
 
 from . import models, run, validate
-from .errors import EXIT_CODES_HELP
+from .errors import EXIT_CODES_HELP, set_debug
 
 app = typer.Typer(
     name="vbatch",
@@ -33,12 +33,11 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _global(
-    ctx: typer.Context,
     version: Annotated[Optional[bool], typer.Option("--version", callback=_print_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
 ) -> None:
-    ctx.obj = {"debug": debug}
+    set_debug(debug)
 
 
 app.command("run", epilog=EXIT_CODES_HELP)(run.run)
