@@ -65,7 +65,7 @@ class BlockManager:
         self._cached: dict[int, KVBlock] = {}
         self._tables: dict[str, list[KVBlock]] = {}
         self._num_registered: dict[str, int] = {}
-        # Prefix-cache stats, in tokens, counted once per admission of a request that may share.
+        # Prefix-cache stats, in tokens, counted once per admission of a request that looked up.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -98,6 +98,9 @@ class BlockManager:
     def _shares(self, request: Request) -> bool:
         return (self.enable_prefix_caching or request.cache_salt is not None) and not request.is_pooling
 
+    def _looks_up(self, request: Request) -> bool:
+        return self._shares(request) and not request.needs_prompt_logprobs
+
     def get_computed_blocks(self, request: Request) -> tuple[tuple[KVBlock, ...], int]:
         """The longest run of cached full blocks that starts the request, and its token count.
 
@@ -105,7 +108,7 @@ class BlockManager:
         always computed (its logits give the next token) even when the whole prompt is cached.
         Looks only; nothing changes until allocate_slots() takes the blocks.
         """
-        if not self._shares(request) or request.needs_prompt_logprobs:
+        if not self._looks_up(request):
             return (), 0
         assert request.num_computed_tokens == 0 and request.request_id not in self._tables
         hashes = update_block_hashes(request, self.block_size)
@@ -158,10 +161,10 @@ class BlockManager:
             table.append(self._take_free_block())
         self._tables[request.request_id] = table
 
+        if is_first and self._looks_up(request):
+            self.num_queried_tokens += request.num_tokens
+            self.num_hit_tokens += num_new_computed_tokens
         if self._shares(request):
-            if is_first:
-                self.num_queried_tokens += request.num_tokens
-                self.num_hit_tokens += num_new_computed_tokens
             self._register_full_blocks(request, table, min(num_total_tokens, request.num_tokens))
         return True
 

@@ -225,6 +225,7 @@ def test_prompt_logprobs_skip_the_lookup_but_still_register():
     bm = BlockManager(num_blocks=20, block_size=BS, enable_prefix_caching=True)
     admit(bm, make_request("a", list(range(9))))
     assert admit(bm, make_request("p", list(range(9)), prompt_logprobs=1)) == 0
+    assert bm.num_queried_tokens == 9                 # p did not look up, so it is not a query
     bm2 = BlockManager(num_blocks=20, block_size=BS, enable_prefix_caching=True)
     admit(bm2, make_request("p", list(range(9)), prompt_logprobs=1))
     assert admit(bm2, make_request("a", list(range(9)))) == 8
