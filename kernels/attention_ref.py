@@ -8,9 +8,10 @@ its block table.
 
 NOTE: q, k and v are upcast to fp32 before SDPA and the result cast back: softmax in fp32 is
 the accuracy contract, and on this CPU bf16 SDPA is 6-12x slower than fp32 anyway.
-NOTE: decode requests (query length 1) of any lengths go through one padded SDPA call; padded
-key/value slots are zeroed, because never-written cache blocks may hold NaN bit patterns and
-0 * NaN would leak through the masked softmax. Requests with longer queries loop in Python
+NOTE: decode requests (query length 1) of any lengths go through one padded SDPA call. Padding
+positions gather the request's own last token rather than whatever the padded block-table
+entries point at: never-written cache blocks may hold NaN bit patterns, and 0 * NaN would leak
+through the masked softmax (zeroing with masked_fill instead costs more than the attention). Requests with longer queries loop in Python
 (one SDPA each); a later issue may batch them.
 """
 from __future__ import annotations
@@ -57,22 +58,27 @@ def _attend_decode_batch(
     seq_lens: list[int],
     scale: float,
 ) -> torch.Tensor:               # [num_decodes, num_q_heads, head_dim] fp32
-    num_decodes = len(seq_lens)
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_blocks = -(-max(seq_lens) // block_size)
-    padded_len = num_blocks * block_size
-    tables = block_tables[:, :num_blocks].to(torch.long)
+    num_decodes, max_len = len(seq_lens), max(seq_lens)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     lens = torch.tensor(seq_lens, device=query.device)
-    is_valid = torch.arange(padded_len, device=query.device)[None, :] < lens[:, None]  # [B, S]
-    keep = is_valid[:, :, None, None]
+    positions = torch.arange(max_len, device=query.device)
+    # Padding positions re-read the request's last real token: finite data the mask then hides.
+    clamped = torch.minimum(positions[None, :], lens[:, None] - 1)  # [B, S]
+    slots = (block_tables.to(torch.long).gather(1, clamped // block_size) * block_size
+             + clamped % block_size).flatten()
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B, num_kv_heads, S, head_dim] fp32
-        rows = cache[tables].reshape(num_decodes, padded_len, num_kv_heads, head_dim).float()
-        return rows.masked_fill(~keep, 0.0).transpose(1, 2)
+        flat = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+        rows = flat.index_select(0, slots).view(num_decodes, max_len, num_kv_heads, head_dim)
+        return rows.float().transpose(1, 2)
 
+    # Equal lengths need no mask, which lets SDPA take its fastest path.
+    mask = None
+    if min(seq_lens) != max_len:
+        mask = (positions[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
     out = F.scaled_dot_product_attention(
         query.float().unsqueeze(2), gather(key_cache), gather(value_cache),
-        attn_mask=is_valid[:, None, None, :], scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
+        attn_mask=mask, scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
     return out.squeeze(2)
 
 

@@ -96,6 +96,7 @@ def run_case(context_lens, query_lens, num_q_heads, num_kv_heads, block_size, dt
 ATTENTION_CASES = {
     "prefill": ([0, 0, 0], [5, 17, 1]),
     "decode_mixed_lengths": ([3, 20, 9, 33], [1, 1, 1, 1]),
+    "decode_equal_lengths": ([12, 12, 12], [1, 1, 1]),
     "chunked_prefill": ([8, 13, 0], [6, 3, 11]),
     "chunk_plus_decodes": ([16, 5, 0, 30], [7, 1, 4, 1]),
 }
