@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from vbatch.engine.errors import ModelLoadError
 from vbatch.engine.models.catalogue import CATALOGUE, DEFAULT_MODEL
-from vbatch.engine.models.convert import MARKER
+from vbatch.engine.models.convert import MARKER, _chat_template_from_gguf
 from vbatch.engine.models.resolve import ResolvedModel, cache_root, cached_path, resolve_model
 from vbatch.engine.models.weights import iter_weights
 
@@ -92,6 +92,111 @@ def test_iter_weights_yields_every_tensor(tmp_path, weights):
 def test_iter_weights_without_files_raises(tmp_path):
     with pytest.raises(ModelLoadError):
         list(iter_weights(tmp_path))
+
+
+# --- a tiny llama GGUF written here: the conversion path in a few seconds -----------------
+
+TINY_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+def _byte_level_chars():
+    """GPT-2's printable stand-ins for the 256 bytes (the alphabet of a byte-level BPE)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = dict((b, b) for b in printable), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = 256 + extra, extra + 1
+    return [chr(chars[b]) for b in sorted(chars)]
+
+
+def _llama_cpp_permute(weight, num_heads):
+    """llama.cpp's convert_hf_to_gguf row order for Q/K (interleaved rotary halves): the oracle."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _write_tiny_gguf(path, *, tied):
+    import gguf
+    import numpy as np
+
+    hidden, heads, kv_heads, inter = 16, 4, 2, 32
+    tokens = ["<unk>", "<|im_start|>", "<|im_end|>", *_byte_level_chars(), "\u0120t"]
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+    hf = {"q": rand(hidden, hidden), "k": rand(kv_heads * hidden // heads, hidden), "embed": rand(len(tokens), hidden),
+          "lm_head": rand(len(tokens), hidden)}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["\u0120 t"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(TINY_TEMPLATE)
+    tensors = {"token_embd.weight": hf["embed"], "blk.0.attn_norm.weight": np.ones(hidden, np.float32),
+               "blk.0.ffn_norm.weight": np.ones(hidden, np.float32), "output_norm.weight": np.ones(hidden, np.float32),
+               "blk.0.attn_q.weight": _llama_cpp_permute(hf["q"], heads),
+               "blk.0.attn_k.weight": _llama_cpp_permute(hf["k"], kv_heads),
+               "blk.0.attn_v.weight": rand(kv_heads * hidden // heads, hidden),
+               "blk.0.attn_output.weight": rand(hidden, hidden), "blk.0.ffn_gate.weight": rand(inter, hidden),
+               "blk.0.ffn_up.weight": rand(inter, hidden), "blk.0.ffn_down.weight": rand(hidden, inter)}
+    if not tied:
+        tensors["output.weight"] = hf["lm_head"]
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {k: torch.from_numpy(v) for k, v in hf.items()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_user_gguf_converts_with_unpermuted_qk_and_template(tmp_path, tied):
+    gguf_path = tmp_path / "tiny.gguf"
+    hf = _write_tiny_gguf(gguf_path, tied=tied)
+    resolved = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache", quiet=True)
+    assert resolved.source == "gguf" and resolved.name == "tiny"
+    assert (tmp_path / "cache" / "models") in resolved.path.parents
+    weights = dict(iter_weights(resolved.path))
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], hf["q"])
+    assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"], hf["k"])
+    assert torch.equal(weights["model.embed_tokens.weight"], hf["embed"])
+    config = json.loads((resolved.path / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied and config["num_key_value_heads"] == 2
+    if tied:
+        assert "lm_head.weight" not in weights
+    else:
+        assert torch.equal(weights["lm_head.weight"], hf["lm_head"])
+    from vbatch.engine.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(resolved.path)
+    assert tokenizer.chat_template == TINY_TEMPLATE and tokenizer.eos_token == "<|im_end|>"
+    assert _chat_template_from_gguf(gguf_path) == TINY_TEMPLATE  # the fallback reader agrees
+
+
+def test_user_gguf_cache_is_keyed_by_file_state(tmp_path):
+    gguf_path = tmp_path / "models" / "tiny.gguf"
+    gguf_path.parent.mkdir()
+    _write_tiny_gguf(gguf_path, tied=True)
+    cache = tmp_path / "cache"
+    first = resolve_model(str(gguf_path), cache_dir=cache, quiet=True)
+    marker = (first.path / MARKER).stat().st_mtime_ns
+    # A folder holding one .gguf (and no config.json) means that file.
+    assert resolve_model(str(gguf_path.parent), cache_dir=cache, quiet=True).path == first.path
+    assert (first.path / MARKER).stat().st_mtime_ns == marker  # reused, not re-converted
+    os.utime(gguf_path, ns=(0, 10**18))  # a changed file is a new source
+    second = resolve_model(str(gguf_path), cache_dir=cache, quiet=True)
+    assert second.path != first.path and (second.path / MARKER).is_file()
+    assert [p.name for p in (cache / "models").iterdir() if p.name.startswith(".")] == []
 
 
 @pytest.mark.slow
