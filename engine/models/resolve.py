@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +90,6 @@ def _resolve_gguf(gguf: Path, cache: Path, *, quiet: bool, force: bool) -> Resol
 
 
 def _drop(folder: Path) -> None:
-    import shutil
-
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -166,7 +165,7 @@ def resolve_model(model: str, *, cache_dir: Path | None = None, quiet: bool = Fa
     entry = CATALOGUE.get(text.lower())
     if entry is not None:
         return _resolve_catalogue(entry, cache, quiet=quiet, force=force)
-    looks_like_path = text.startswith((".", "/", "~")) or text.lower().endswith(".gguf") or os.sep in text[:1]
+    looks_like_path = text.startswith((".", "/", "~")) or text.lower().endswith(".gguf")
     if _HUB_ID_RE.match(text) and not looks_like_path:
         return _resolve_hub(text, cache, quiet=quiet)
     raise _not_found(text)
