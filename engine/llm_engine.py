@@ -36,11 +36,16 @@ PromptInput = str | dict[str, Any]
 
 @dataclass
 class EngineStats:
+    """Running counters since the engine started (the CLI summary takes differences)."""
+
     num_requests: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
     step_seconds: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0         # of those, tokens found
 
 
 class LLMEngine:
@@ -64,6 +69,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.hf_config, self.model_path, self.device, self.dtype)
         self.runner.load_model()
         num_blocks = self.runner.initialize_kv_cache()
+        self._check_kv_capacity(num_blocks, config)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -83,6 +89,17 @@ class LLMEngine:
         sched = replace(sched, max_model_len=max_len)
         sched = replace(sched, max_num_batched_tokens=sched.token_budget)
         return config.replace(model=replace(config.model, max_model_len=max_len), scheduler=sched).validate()
+
+    @staticmethod
+    def _check_kv_capacity(num_blocks: int, config: EngineConfig) -> None:
+        """One sequence of max_model_len tokens must fit, or a long request would preempt itself forever."""
+        bs = config.cache.block_size
+        need = -(-config.scheduler.max_model_len // bs)
+        if num_blocks - 1 < need:     # block 0 is the reserved padding block
+            raise ConfigError("kv_cache_memory",
+                              f"{num_blocks - 1} usable KV blocks of {bs} tokens hold {(num_blocks - 1) * bs} tokens, "
+                              f"less than one sequence of max_model_len={config.scheduler.max_model_len}",
+                              hint="raise --kv-cache-memory or lower --max-model-len")
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = list(self.generation_defaults.eos_token_ids)
@@ -170,6 +187,10 @@ class LLMEngine:
         if stop_ids:
             self.scheduler.finish_requests(stop_ids, RequestStatus.FINISHED_STOPPED)
         self.stats.generation_tokens += sum(len(u.new_token_ids) for u in updates)
-        self.stats.num_steps += 1
-        self.stats.step_seconds += time.perf_counter() - t0
+        st = self.stats
+        st.num_steps += 1
+        st.step_seconds += time.perf_counter() - t0
+        st.num_preemptions = self.scheduler.num_preemptions_total
+        st.prefix_cache_queries = self.scheduler.prefix_cache_queries
+        st.prefix_cache_hits = self.scheduler.prefix_cache_hits
         return finished

@@ -50,7 +50,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         cls = get_model_class(self.hf_config)
         with torch.device(self.device):
-            model = cls(self.hf_config, dtype=self.dtype, device=self.device)
+            model = cls(self.hf_config, dtype=self.dtype, device=self.device,
+                        max_model_len=self.config.scheduler.max_model_len)
         model.load_weights(iter_weights(self.model_path))
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - t0

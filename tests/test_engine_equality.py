@@ -90,8 +90,9 @@ def test_greedy_matches_transformers(smollm2_path, prompts, hf_greedy, case):
 
 
 def test_greedy_matches_under_preemption(smollm2_path, prompts, hf_greedy):
-    # 12 blocks of 16 tokens for 20 sequences of up to ~150 tokens: the scheduler must preempt.
-    llm, ours = _run(smollm2_path, prompts, max_num_seqs=20, num_gpu_blocks_override=14, max_model_len=256)
+    # 16 usable blocks of 16 tokens (one max_model_len sequence) for 20 sequences of up to
+    # ~175 tokens: the scheduler must preempt and recompute.
+    llm, ours = _run(smollm2_path, prompts, max_num_seqs=20, num_gpu_blocks_override=17, max_model_len=256)
     assert llm.engine.scheduler.num_preemptions_total > 0
     assert ours == hf_greedy
 
@@ -104,3 +105,9 @@ def test_prefix_cache_hits_are_reported(smollm2_path, prompts, hf_greedy):
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == (len(prompts[0]) - 1) // 16 * 16 > 0
     assert second.outputs[0].token_ids == first.outputs[0].token_ids == hf_greedy[0]
+
+
+def test_kv_cache_smaller_than_one_sequence_is_refused(smollm2_path):
+    from vbatch.engine.errors import ConfigError
+    with pytest.raises(ConfigError, match="kv_cache_memory.*max_model_len=256"):
+        LLM(str(smollm2_path), dtype="float32", device="cpu", quiet=True, num_gpu_blocks_override=9, max_model_len=256)
