@@ -129,3 +129,20 @@ def test_bad_prompt_errors(llm):
     with pytest.raises(SamplingParamsError, match="stop_token_ids"):
         llm.generate(["hi"], SamplingParams(stop_token_ids=[10**7]))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_generation_config_folder_sets_defaults(smollm2_path, tmp_path):
+    """generation_config=<folder>: its values become the defaults when no SamplingParams is given."""
+    import json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 7, "max_new_tokens": 5}))
+    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", quiet=True, max_model_len=256,
+              generation_config=str(tmp_path))
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.max_tokens) == (0.3, 7, 5)
+    out = llm.generate(["Hello there"])[0].outputs[0]
+    assert len(out.token_ids) <= 5
+    explicit = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))[0]
+    assert len(explicit.outputs[0].token_ids) == 9      # explicit params ignore the file's defaults
+    vllm_mode = LLM(str(smollm2_path), dtype="float32", device="cpu", quiet=True, max_model_len=256,
+                    generation_config="vllm")
+    assert vllm_mode.get_default_sampling_params() == SamplingParams()
