@@ -1,8 +1,9 @@
 """A crash-safe output file: written at `PATH.partial`, renamed onto `PATH` only by `commit()`.
 
 A run that dies (or a writer never closed) leaves no file at the final path, only the
-partial one holding whole, fsynced records. `append=True` reopens an existing partial file,
-which is where resume will plug in. Used by every writer in `vbatch.batch.writers`.
+partial one holding the records written so far (a kill can tear its last line; `vbatch.batch.resume`
+cuts that away). `append=True` reopens an existing partial file to resume it. Used by every
+writer in `vbatch.batch.writers` and by `vbatch.batch.merge`.
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class AtomicFile:
     def write(self, data: bytes) -> None:
         self.file.write(data)
 
+    def flush(self) -> None:
+        """Hand what is buffered to the OS: it survives a killed process (not a power cut)."""
+        self.file.flush()
+
     def sync(self) -> None:
         """Make everything written so far durable (a checkpoint a resume can trust)."""
         self.file.flush()
@@ -41,7 +46,7 @@ class AtomicFile:
         self.file.close()
         self.closed = True
         os.replace(self.partial, self.path)
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def abandon(self) -> None:
         """Stop writing; keep the partial file (its whole records survive) and no final file."""
@@ -54,7 +59,7 @@ class AtomicFile:
             self.closed = True
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
     # The rename itself must be durable; some filesystems refuse to open a folder, which is fine.
     try:
         fd = os.open(folder, os.O_RDONLY)

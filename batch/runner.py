@@ -14,10 +14,15 @@ Steps of the loop:
    requests the engine refuses become error results at once; they never stop the run.
 2. Write every result the reorder window can release (input order).
 3. Run one engine step; each finished RequestOutput goes into the window.
+
+`should_stop` (polled once per loop, e.g. a SIGTERM flag) ends the run early: admitting stops,
+what the window can release is written, requests still in the engine are dropped (a resumed run
+does them again) and the summary says `interrupted`.
 """
 from __future__ import annotations
 
 import resource
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -56,10 +61,19 @@ def _stat_counters(llm: Any) -> dict[str, float]:
     return {k: v for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def _peak_device_bytes() -> int | None:
+    """Peak CUDA memory of this process, when torch has touched CUDA at all (never imports torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.max_memory_allocated())
+
+
 def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm: Any,
               defaults: dict[str, Any] | None = None, *, max_in_flight: int = 512,
               max_pending: int | None = None, chat_template: str | None = None,
-              on_result: ResultHook | None = None) -> RunSummary:
+              on_result: ResultHook | None = None,
+              should_stop: Callable[[], bool] | None = None) -> RunSummary:
     assert max_in_flight >= 1
     max_pending = max(max_pending or 4 * max_in_flight, max_in_flight)
     defaults = dict(defaults or {})
@@ -87,7 +101,13 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
         if on_result is not None:
             on_result(result)
 
+    is_interrupted = False
     while True:
+        if should_stop is not None and should_stop():
+            is_interrupted = True
+            for result in window.pop_ready():
+                emit(result)
+            break
         # 1. admit
         while (not is_exhausted and len(in_engine) < max_in_flight
                and len(in_engine) + window.num_held < max_pending):
@@ -122,7 +142,7 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
             window.put(seq, BatchResult(seq, record=rec, output=out))
         assert finished or engine.has_unfinished_requests(), "engine lost requests it was given"
 
-    assert window.num_held == 0
+    assert is_interrupted or window.num_held == 0
     stats = _stat_counters(llm)
     delta = {k: stats.get(k, 0) - stats_before.get(k, 0) for k in stats}
     queries = delta.get("prefix_cache_queries", 0)
@@ -133,4 +153,5 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
         prefix_cache_hit_rate=(delta.get("prefix_cache_hits", 0) / queries) if queries else None,
         num_preemptions=int(delta.get("num_preemptions", 0)),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_device_bytes=_peak_device_bytes(), interrupted=is_interrupted,
     )

@@ -22,6 +22,9 @@ class RunSummary:
     prefix_cache_hit_rate: float | None   # hits / queries from the engine; None when nothing was looked up
     num_preemptions: int
     peak_rss_bytes: int
+    peak_device_bytes: int | None = None  # CUDA peak, when the engine ran on a GPU
+    interrupted: bool = False             # stopped early (SIGINT/SIGTERM); the output stays resumable
+    num_resumed: int = 0                  # records found done in the partial output and skipped
 
     @property
     def generated_tokens_per_s(self) -> float:
@@ -45,6 +48,7 @@ class RunSummary:
         table.add_column("what", style="bold")
         table.add_column("value", justify="right")
         for what, value in (
+            *((("resumed (skipped)", f"{self.num_resumed:,}"),) if self.num_resumed else ()),
             ("requests", f"{self.num_requests:,}"), ("ok", f"{self.num_ok:,}"), ("errors", f"{self.num_errors:,}"),
             ("prompt tokens", f"{self.prompt_tokens:,}"), ("generated tokens", f"{self.generated_tokens:,}"),
             ("generated tokens/s", f"{self.generated_tokens_per_s:,.1f}"),
@@ -52,6 +56,9 @@ class RunSummary:
             ("prefix cache hit rate", rate), ("preemptions", f"{self.num_preemptions:,}"),
             ("wall time", f"{self.wall_time_s:,.2f} s"),
             ("peak RSS", f"{self.peak_rss_bytes / 2**20:,.0f} MiB"),
+            *((("peak GPU memory", f"{self.peak_device_bytes / 2**20:,.0f} MiB"),)
+              if self.peak_device_bytes is not None else ()),
+            *((("interrupted", "yes: rerun the same command to resume"),) if self.interrupted else ()),
         ):
             table.add_row(what, value)
         return table

@@ -2,19 +2,27 @@
 
 `open_writer` picks the writer from the `-o` extension (OpenAI Batch input always gets OpenAI
 Batch output). Every writer takes BatchResults in input order (the runner's reorder window
-guarantees it), writes to `OUT.partial` with an fsync every `sync_every` records, and renames
-onto `OUT` in `close()`; `abort()` (or leaving a `with` block by an exception) keeps only the
-partial file. `-` writes JSONL to stdout without the partial file.
+guarantees it) and appends one JSON line per result to `OUT.partial`, flushed to the OS after
+every line and fsynced every `sync_every` lines or `sync_seconds`; `close()` renames it onto
+`OUT`; `abort()` (or leaving a `with` block by an exception) keeps only the partial file.
+`-` writes JSONL to stdout without the partial file.
+
+NOTE: Parquet resumes through a JSONL partial: its partial file holds the plain records as JSON
+lines (resumable exactly like a JSONL output) and `close()` converts them, row group by row
+group, into `OUT` (via `OUT.converting` and an atomic rename). A Parquet file is only readable
+once its footer is written, so writing Parquet directly could never survive `kill -9`.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from typing import Any, BinaryIO, Protocol
 
 from vbatch.engine.errors import ConfigError
 
-from .atomic_file import AtomicFile
+from .atomic_file import AtomicFile, fsync_dir
 from .openai_output import batch_output_line
 from .result import BatchResult
 
@@ -49,10 +57,12 @@ class Writer(Protocol):
 class _LineWriter:
     """JSON lines to an AtomicFile (or stdout); `to_line` says what one result becomes."""
 
-    def __init__(self, path: str, *, append: bool = False, sync_every: int = 64) -> None:
+    def __init__(self, path: str, *, append: bool = False, sync_every: int = 64,
+                 sync_seconds: float = 5.0) -> None:
         self.path = path
-        self.sync_every = sync_every
+        self.sync_every, self.sync_seconds = sync_every, sync_seconds
         self._pending = 0
+        self._last_sync = time.monotonic()
         self._file = None if path == "-" else AtomicFile(path, append=append)
         self._stdout: BinaryIO | None = sys.stdout.buffer if path == "-" else None
         self.num_written = 0
@@ -69,10 +79,12 @@ class _LineWriter:
             self._stdout.flush()
             return
         self._file.write(data)
+        self._file.flush()  # whole lines reach the OS at once: a killed run loses at most the torn one
         self._pending += 1
-        if self._pending >= self.sync_every:
+        now = time.monotonic()
+        if self._pending >= self.sync_every or now - self._last_sync >= self.sync_seconds:
             self._file.sync()
-            self._pending = 0
+            self._pending, self._last_sync = 0, now
 
     def close(self) -> None:
         if self._file is not None:
@@ -96,73 +108,73 @@ class JsonlWriter(_LineWriter):
 class OpenAIBatchWriter(_LineWriter):
     """One OpenAI Batch output line a line; `model` names the model when a body did not."""
 
-    def __init__(self, path: str, *, model: str, append: bool = False, sync_every: int = 64) -> None:
-        super().__init__(path, append=append, sync_every=sync_every)
+    def __init__(self, path: str, *, model: str, append: bool = False, sync_every: int = 64,
+                 sync_seconds: float = 5.0) -> None:
+        super().__init__(path, append=append, sync_every=sync_every, sync_seconds=sync_seconds)
         self.model = model
 
     def to_line(self, result: BatchResult) -> dict[str, Any]:
         return batch_output_line(result, self.model)
 
 
-class ParquetWriter:
-    """RequestOutput records as Parquet row groups of `row_group_size` (schema: `parquet_schema()`).
+class ParquetWriter(_LineWriter):
+    """Plain records as JSON lines in `OUT.partial`, converted to Parquet by `close()` (see NOTE above).
 
-    NOTE: a Parquet file is only readable once its footer is written. `abort()` writes it, so the
-    partial file of an interrupted run reads as the records done so far; a killed process leaves
-    an unreadable one. Resumable runs should write JSONL.
+    Schema: `parquet_schema()`; one row group per `row_group_size` records.
     """
 
-    def __init__(self, path: str, *, row_group_size: int = 1024) -> None:
-        import pyarrow.parquet as pq
-
-        from .parquet_schema import parquet_schema
+    def __init__(self, path: str, *, append: bool = False, row_group_size: int = 1024, sync_every: int = 64,
+                 sync_seconds: float = 5.0) -> None:
         if path == "-":
             raise ConfigError("--output", "Parquet cannot be written to stdout; give a .parquet path")
-        self.path = path
+        super().__init__(path, append=append, sync_every=sync_every, sync_seconds=sync_seconds)
         self.row_group_size = row_group_size
-        self._schema = parquet_schema()
-        self._file = AtomicFile(path)
-        self._writer = pq.ParquetWriter(self._file.file, self._schema)
-        self._rows: list[dict[str, Any]] = []
-        self.num_written = 0
-
-    def write(self, result: BatchResult) -> None:
-        from .parquet_schema import to_parquet_row
-        self._rows.append(to_parquet_row(output_record(result)))
-        self.num_written += 1
-        if len(self._rows) >= self.row_group_size:
-            self._flush()
-
-    def _flush(self) -> None:
-        import pyarrow as pa
-        if self._rows:
-            self._writer.write_table(pa.Table.from_pylist(self._rows, schema=self._schema))
-            self._rows = []
-            self._file.sync()
 
     def close(self) -> None:
+        assert self._file is not None
         if self._file.closed:
             return
-        self._flush()
-        self._writer.close()
-        self._file.commit()
+        self._file.abandon()  # fsynced and closed; the partial stays until the Parquet file is in place
+        jsonl_to_parquet(self._file.partial, self.path, row_group_size=self.row_group_size)
+        os.remove(self._file.partial)
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
-    def abort(self) -> None:
-        if self._file.closed:
-            return
-        try:
-            # Footer the partial file: after Ctrl-C or an error it reads as the records done so far.
-            self._flush()
-            self._writer.close()
-        except Exception:  # noqa: BLE001  aborting must not hide the error that caused it
-            pass
-        self._file.abandon()
 
-    def __enter__(self) -> "ParquetWriter":
-        return self
+def jsonl_to_parquet(source: str, path: str, *, row_group_size: int = 1024) -> int:
+    """Convert plain JSON-line records to a Parquet file at `path`, atomically; returns the rows.
 
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.abort() if exc_type is not None else self.close()
+    Streams: at most one row group of records is in memory.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .parquet_schema import parquet_schema, to_parquet_row
+
+    schema = parquet_schema()
+    tmp = path + ".converting"
+    num_rows = 0
+    with open(tmp, "wb") as sink:
+        writer = pq.ParquetWriter(sink, schema)
+        rows: list[dict[str, Any]] = []
+        with open(source, "rb") as f:
+            for raw in f:
+                rows.append(to_parquet_row(json.loads(raw)))
+                if len(rows) >= row_group_size:
+                    writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+                    num_rows, rows = num_rows + len(rows), []
+        if rows or num_rows == 0:
+            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+            num_rows += len(rows)
+        writer.close()
+        sink.flush()
+        os.fsync(sink.fileno())
+    os.replace(tmp, path)
+    return num_rows
+
+
+def output_format(path: str) -> str:
+    """The format a path's extension asks for, before the input is known ("parquet" | "jsonl")."""
+    return "parquet" if path.lower().endswith(PARQUET_SUFFIXES) else "jsonl"
 
 
 def check_output(path: str, *, input_format: str, append: bool = False) -> str:
@@ -177,9 +189,8 @@ def check_output(path: str, *, input_format: str, append: bool = False) -> str:
                               hint="use an output path ending in .jsonl")
         return "openai"
     if is_parquet:
-        if path == "-" or append:
-            raise ConfigError("--output", "a Parquet output cannot go to stdout or be appended to",
-                              hint="use .jsonl for stdout and resumable runs")
+        if path == "-":
+            raise ConfigError("--output", "Parquet cannot be written to stdout; give a .parquet path")
         return "parquet"
     return "jsonl"
 
@@ -189,5 +200,5 @@ def open_writer(path: str, *, input_format: str, model: str, append: bool = Fals
     if kind == "openai":
         return OpenAIBatchWriter(path, model=model, append=append)
     if kind == "parquet":
-        return ParquetWriter(path)
+        return ParquetWriter(path, append=append)
     return JsonlWriter(path, append=append)

@@ -24,11 +24,14 @@ EXIT_RECORDS_FAILED = 1
 EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
 EXIT_MODEL_LOAD = 4
-EXIT_INTERRUPTED = 130
+EXIT_OUTPUT_STATE = 5      # the output belongs to another run, or merge found missing/incomplete parts
+EXIT_INTERRUPTED = 130     # SIGINT (128 + 2)
+EXIT_TERMINATED = 143      # SIGTERM (128 + 15)
 
 EXIT_CODES_HELP = (
-    "Exit codes: 0 every record done; 1 some records failed (see their error field); "
-    "2 bad usage or option; 3 bad input file; 4 model could not be loaded; 130 interrupted."
+    "Exit codes: 0 every record done (or already complete); 1 some records failed (see their error field); "
+    "2 bad usage or option; 3 bad input file; 4 model could not be loaded; 5 output belongs to another run "
+    "or parts missing; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM). 130/143 keep the output resumable."
 )
 
 
@@ -67,7 +70,8 @@ def handle_errors(command: F) -> F:
             raise typer.Exit(report(e)) from None
         except KeyboardInterrupt:
             typer.echo("error: interrupted", err=True)
-            typer.echo("hint: the finished records are in the .partial file next to the output", err=True)
+            typer.echo("hint: the finished records are in the .partial file next to the output; "
+                       "rerun the same command to resume", err=True)
             raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return wrapper  # type: ignore[return-value]

@@ -66,8 +66,18 @@ MaxInFlight = Annotated[Optional[int], typer.Option(help="Most records inside th
                                                    "(default: 2 x max-num-seqs).", rich_help_panel=RUN)]
 MetricsJson = Annotated[Optional[Path], typer.Option(help="Also write the run summary as JSON here.",
                                                     rich_help_panel=RUN)]
-Strict = Annotated[bool, typer.Option("--strict", help="Validate the whole file before loading the model; "
-                                      "stop with exit 3 on any bad record.", rich_help_panel=RUN)]
+OnError = Annotated[str, typer.Option("--on-error", help="record: a bad record becomes an error record in "
+                                      "its place and the run goes on; fail: validate the whole file first and "
+                                      "exit 3 before loading the model.", rich_help_panel=RUN)]
+Strict = Annotated[bool, typer.Option("--strict", help="Alias of --on-error fail.", hidden=True,
+                                      rich_help_panel=RUN)]
+Shard = Annotated[Optional[str], typer.Option("--shard", help="I/N: run the records whose 0-based position % N "
+                                              "== I, writing OUT.part-I-of-N (default: VBATCH_SHARD, else the "
+                                              "Slurm array task; 0/1 is the whole input).", rich_help_panel=RUN)]
+Resume = Annotated[bool, typer.Option("--resume/--no-resume", help="Continue a partial output of the same input "
+                                      "and options, skipping the records already done.", rich_help_panel=RUN)]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Delete an existing output (final, partial, "
+                                         "manifest) and start over.", rich_help_panel=RUN)]
 
 
 def sampling_defaults(**flags: object) -> dict[str, object]:

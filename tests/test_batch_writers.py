@@ -112,9 +112,16 @@ def test_unclosed_parquet_writer_leaves_no_final_file(tmp_path):
     w.write(bad_result(1))
     w.abort()
     assert not out.exists()
-    # The aborted partial file is footed: it reads back as the records written so far.
-    rows = pq.read_table(tmp_path / "out.parquet.partial").to_pylist()
-    assert [r["error"] for r in rows] == [None, EXPECTED_ERR["error"]]
+    # Parquet resumes through a JSONL partial: the plain records written so far, one a line.
+    rows = [json.loads(l) for l in (tmp_path / "out.parquet.partial").read_text().splitlines()]
+    assert rows == [EXPECTED_OK, EXPECTED_ERR]
+    # Resumed (append) and closed, it converts to the Parquet file the uninterrupted writer makes.
+    w2 = ParquetWriter(str(out), append=True, row_group_size=1)
+    w2.write(ok_result(2, rid="c"))
+    w2.close()
+    assert not (tmp_path / "out.parquet.partial").exists()
+    third = {**EXPECTED_OK, "id": "c", "request_id": "2"}
+    assert pq.read_table(out).to_pylist() == [{**r, "extra": None} for r in (EXPECTED_OK, EXPECTED_ERR, third)]
 
 
 def test_open_writer_picks_by_extension(tmp_path):
