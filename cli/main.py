@@ -11,7 +11,7 @@ import typer
 
 from vbatch import __version__
 
-from . import merge, models, run, validate
+from . import bench, merge, models, run, validate
 from .errors import EXIT_CODES_HELP, set_debug
 
 app = typer.Typer(
@@ -44,6 +44,7 @@ app.command("run", epilog=EXIT_CODES_HELP)(run.run)
 app.command("validate", epilog=EXIT_CODES_HELP)(validate.validate)
 app.command("merge", epilog=EXIT_CODES_HELP)(merge.merge)
 app.add_typer(models.app, name="models")
+app.add_typer(bench.app, name="bench")
 
 
 def main() -> None:

@@ -1,0 +1,144 @@
+"""Physical ceilings for decode on this machine: measured GEMM rate and memory bandwidth -> tok/s.
+
+Called by `vbatch bench throughput --ceilings` / `--latency` (cli/bench.py) and by the scripts
+`bench/ceilings.py` and `bench/peers.py`. The napkin math (llm.c style):
+
+- large-batch decode is compute-bound: each token costs 2 x (parameters in linear layers) FLOPs,
+  so the ceiling is  measured GEMM FLOP/s / (2 x linear params)  tokens/s;
+- batch-1 decode is bandwidth-bound: each token reads every linear weight once, so the ceiling is
+  measured bytes/s / (linear params x bytes per element)  tokens/s.
+
+Attention, norms and the sampler are left out: the ceilings are upper bounds, not predictions.
+The math is pure (tested on known numbers); only `measure_*` touch torch.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+DECODE_SHAPE = (256, 576, 1536)
+"""(tokens, in, out) of the GEMM measured: a batch-256 decode step through SmolLM2's MLP up-projection."""
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """Parameters in the linear layers of a llama-family decoder, from its config."""
+
+    per_layer: int
+    num_layers: int
+    lm_head: int
+
+    @property
+    def total(self) -> int:
+        return self.per_layer * self.num_layers + self.lm_head
+
+
+def linear_params(config) -> LinearShape:
+    """q, k, v, o, gate, up, down per layer, plus lm_head (counted even when tied to the embedding:
+    decode multiplies by it every token). `config` is an HF config or anything with its fields."""
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    inter = int(config.intermediate_size)
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o + k, v
+    mlp = 3 * hidden * inter                                                 # gate, up, down
+    return LinearShape(per_layer=attn + mlp, num_layers=int(config.num_hidden_layers),
+                       lm_head=hidden * int(config.vocab_size))
+
+
+def compute_ceiling_tok_s(num_linear_params: int, gemm_flops_per_s: float) -> float:
+    """Large-batch decode: tokens/s if every FLOP ran at the measured GEMM rate."""
+    return gemm_flops_per_s / (2.0 * num_linear_params)
+
+
+def bandwidth_ceiling_tok_s(num_linear_params: int, bytes_per_param: int, bytes_per_s: float) -> float:
+    """Batch-1 decode: tokens/s if each token read every linear weight once at the measured bandwidth."""
+    return bytes_per_s / (num_linear_params * bytes_per_param)
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    threads: int
+    gemm_gflops: dict[str, float]
+    """dtype name ('bfloat16', 'float32') -> GFLOP/s at DECODE_SHAPE (median of the repeats)."""
+    read_gb_s: float
+    """Memory read bandwidth: a sum over a tensor far larger than the caches."""
+    copy_gb_s: float
+    """Memory copy bandwidth counting bytes read + written."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    dtype: str
+    num_linear_params: int
+    compute_tok_s: float
+    """Large-batch decode ceiling for `dtype`."""
+    bandwidth_tok_s: float
+    """Batch-1 decode ceiling for `dtype`."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def ceilings_for(config, dtype: str, rates: MachineRates) -> Ceilings:
+    n = linear_params(config).total
+    nbytes = 2 if dtype in ("bfloat16", "float16") else 4
+    gflops = rates.gemm_gflops.get(dtype) or rates.gemm_gflops["float32"]
+    return Ceilings(dtype=dtype, num_linear_params=n,
+                    compute_tok_s=compute_ceiling_tok_s(n, gflops * 1e9),
+                    bandwidth_tok_s=bandwidth_ceiling_tok_s(n, nbytes, rates.read_gb_s * 1e9))
+
+
+def _median_seconds(fn, repeats: int, min_seconds: float = 0.05) -> float:
+    fn()  # warm-up: first calls pick kernels and fault in pages
+    times = []
+    for _ in range(repeats):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_seconds:
+                break
+        times.append(elapsed / n)
+    return statistics.median(times)
+
+
+def measure_gemm_gflops(dtype_name: str, shape: tuple[int, int, int] = DECODE_SHAPE, repeats: int = 7) -> float:
+    """GFLOP/s of `F.linear(x, w)` (the call decode makes) at `shape` = (tokens, in, out)."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+    m, k, n = shape
+    x = torch.randn(m, k).to(dtype)  # [tokens, in]
+    w = torch.randn(n, k).to(dtype)  # [out, in]
+    seconds = _median_seconds(lambda: F.linear(x, w), repeats)
+    return 2.0 * m * k * n / seconds / 1e9
+
+
+def measure_bandwidth_gb_s(num_bytes: int = 512 * 2**20, repeats: int = 5) -> tuple[float, float]:
+    """(read GB/s, copy GB/s) over an fp32 tensor of `num_bytes` (far larger than any cache)."""
+    import torch
+
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    read_s = _median_seconds(lambda: src.sum(), repeats, min_seconds=0.2)
+    copy_s = _median_seconds(lambda: dst.copy_(src), repeats, min_seconds=0.2)
+    return num_bytes / read_s / 1e9, 2 * num_bytes / copy_s / 1e9
+
+
+def measure_rates(threads: int | None = None, dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> MachineRates:
+    """Measure GEMM rates and bandwidth with `threads` torch threads (None: torch's current setting)."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    gemm = {d: measure_gemm_gflops(d) for d in dtypes}
+    read, copy = measure_bandwidth_gb_s()
+    return MachineRates(threads=torch.get_num_threads(), gemm_gflops=gemm, read_gb_s=read, copy_gb_s=copy)

@@ -1,0 +1,159 @@
+"""`vbatch bench throughput`: the prompt builder, the ceiling napkin math, the result arithmetic,
+and the command itself on a tiny real run. Nothing here asserts a speed."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from vbatch.cli.bench_ceilings import (MachineRates, bandwidth_ceiling_tok_s, ceilings_for, compute_ceiling_tok_s,
+                                       linear_params, measure_gemm_gflops)
+from vbatch.cli.bench_dataset import LengthRange, build_prompts, parse_length_range, prompts_digest, special_token_ids
+from vbatch.cli.bench_measure import LatencyResult, ThroughputResult
+from vbatch.engine.errors import ConfigError
+
+torch.set_num_threads(1)
+
+# SmolLM2-135M's config.json fields (the default model)
+SMOLLM2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                          intermediate_size=1536, num_hidden_layers=30, vocab_size=49152)
+
+
+# ---------------------------------------------------------------- dataset
+def test_parse_length_range():
+    assert parse_length_range("256") == LengthRange(256, 256)
+    assert parse_length_range("128-512") == LengthRange(128, 512)
+    assert str(LengthRange(128, 512)) == "128-512" and str(LengthRange(7, 7)) == "7"
+    for bad in ("abc", "512-128", "0", "1-2-3", ""):
+        with pytest.raises(ConfigError):
+            parse_length_range(bad)
+
+
+def test_random_prompts_lengths_in_range_and_no_special_tokens():
+    excluded = {0, 1, 2, 5, 99}
+    prompts = build_prompts(num_prompts=300, input_len=LengthRange(3, 9), vocab_size=100, excluded_ids=excluded,
+                            seed=7)
+    assert len(prompts) == 300
+    lengths = {len(p) for p in prompts}
+    assert lengths == set(range(3, 10))  # 300 draws over 7 values: every length appears
+    tokens = {t for p in prompts for t in p}
+    assert not tokens & excluded
+    assert tokens <= set(range(100))
+    assert len(tokens) == 95  # 300 x ~6 draws cover every allowed id
+
+
+def test_prompts_deterministic_by_seed():
+    kw = dict(num_prompts=20, input_len=LengthRange(5, 50), vocab_size=1000, excluded_ids=[0])
+    a, b, c = build_prompts(seed=3, **kw), build_prompts(seed=3, **kw), build_prompts(seed=4, **kw)
+    assert a == b and a != c
+    assert prompts_digest(a) == prompts_digest(b) != prompts_digest(c)
+
+
+def test_fixed_dataset_uses_top_length():
+    prompts = build_prompts(num_prompts=5, input_len=LengthRange(4, 11), vocab_size=50, excluded_ids=[],
+                            seed=0, dataset="fixed")
+    assert [len(p) for p in prompts] == [11] * 5
+    assert len({tuple(p) for p in prompts}) == 5  # random ids: no shared prefixes to cache
+
+
+def test_bad_dataset_and_count():
+    with pytest.raises(ConfigError):
+        build_prompts(num_prompts=1, input_len=LengthRange(1, 1), vocab_size=10, excluded_ids=[], seed=0,
+                      dataset="sharegpt")
+    with pytest.raises(ConfigError):
+        build_prompts(num_prompts=0, input_len=LengthRange(1, 1), vocab_size=10, excluded_ids=[], seed=0)
+    with pytest.raises(ConfigError):
+        build_prompts(num_prompts=1, input_len=LengthRange(1, 1), vocab_size=2, excluded_ids=[0, 1], seed=0)
+
+
+def test_special_token_ids_from_tokenizer_attributes():
+    tok = SimpleNamespace(all_special_ids=[0, 2],
+                          added_tokens_decoder={1: SimpleNamespace(content="<|im_start|>", special=True),
+                                                7: SimpleNamespace(content="word", special=False)},
+                          convert_tokens_to_ids=lambda toks: [{"<|im_start|>": 1, "word": 7}[t] for t in toks])
+    assert special_token_ids(tok) == {0, 1, 2}
+
+
+# ---------------------------------------------------------------- ceilings (hand-computed)
+def test_linear_params_smollm2():
+    shape = linear_params(SMOLLM2)
+    # q 576x576, k and v 576x192, o 576x576, gate/up/down 576x1536
+    per_layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
+    assert shape.per_layer == per_layer == 3_538_944
+    assert shape.lm_head == 576 * 49152
+    assert shape.total == 134_479_872  # the published 134.5M minus embedding-only and norm weights
+
+
+def test_ceiling_math_known_numbers():
+    n = 134_479_872
+    # 900 GFLOP/s over 2 x 134.48 MFLOP per token
+    assert compute_ceiling_tok_s(n, 900e9) == pytest.approx(900e9 / 268_959_744)
+    assert compute_ceiling_tok_s(n, 900e9) == pytest.approx(3346.2, abs=0.1)
+    # 70 GB/s over 269 MB of bf16 weights per token (REFERENCE 8: about 260 tok/s)
+    assert bandwidth_ceiling_tok_s(n, 2, 70e9) == pytest.approx(260.3, abs=0.1)
+    assert bandwidth_ceiling_tok_s(n, 4, 70e9) == pytest.approx(130.1, abs=0.1)
+    rates = MachineRates(threads=2, gemm_gflops={"bfloat16": 900.0, "float32": 440.0}, read_gb_s=70.0,
+                         copy_gb_s=60.0)
+    c = ceilings_for(SMOLLM2, "bfloat16", rates)
+    assert c.compute_tok_s == pytest.approx(3346.2, abs=0.1) and c.bandwidth_tok_s == pytest.approx(260.3, abs=0.1)
+    c32 = ceilings_for(SMOLLM2, "float32", rates)
+    assert c32.compute_tok_s == pytest.approx(440e9 / 268_959_744)
+
+
+def test_measure_gemm_is_positive_on_a_tiny_shape():
+    assert measure_gemm_gflops("float32", shape=(4, 8, 8), repeats=1) > 0
+
+
+# ---------------------------------------------------------------- result arithmetic
+def test_throughput_result_rates():
+    r = ThroughputResult(num_requests=4, prompt_tokens=600, output_tokens=400, elapsed_s=2.0, prefill_phase_s=0.5,
+                         decode_phase_s=1.5, decode_phase_tokens=300)
+    d = r.to_dict()
+    assert d["requests_per_s"] == 2.0 and d["total_tokens_per_s"] == 500.0 and d["output_tokens_per_s"] == 200.0
+    assert d["decode_tokens_per_s"] == 200.0
+    assert d["tokens_per_second"] == 500.0 and d["total_num_tokens"] == 1000  # vLLM's key names
+
+
+def test_latency_result_median():
+    r = LatencyResult(prompt_tokens=10, output_tokens=9, seconds=[3.0, 1.0, 2.0], decode_seconds=[1.0, 4.0, 2.0])
+    assert r.median_s == 2.0 and r.output_tokens_per_s == 4.5 and r.decode_tokens_per_s == 4.0
+
+
+# ---------------------------------------------------------------- the command (real model)
+@pytest.mark.slow
+def test_bench_throughput_cli_tiny_run(tmp_path):
+    from vbatch.cli.main import app
+    from vbatch.engine.models.resolve import resolve_model
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "throughput", "--num-prompts", "4", "--input-len", "16",
+                                      "--output-len", "4", "--threads", "1", "--seed", "5", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "output tokens/s" in result.output
+    report = json.loads(out.read_text())
+    r = report["throughput"]
+    assert r["num_requests"] == 4 and r["prompt_tokens"] == 64 and r["output_tokens"] == 16
+    assert r["total_tokens"] == 80
+    assert r["output_tokens_per_s"] == pytest.approx(16 / r["elapsed_s"])
+    assert r["prefill_phase_s"] + r["decode_phase_s"] == pytest.approx(r["elapsed_s"])
+    assert report["threads"] == 1 and report["dataset"] == "random" and report["input_len"] == "16"
+    # the same prompts a peer builds independently from the tokenizer and the seed
+    folder = resolve_model("smollm2-135m-instruct", quiet=True).path
+    added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    specials = {t["id"] for t in added if t["special"]}
+    assert specials == set(range(17))  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>, ...
+    expected = build_prompts(num_prompts=4, input_len=LengthRange(16, 16), vocab_size=49152,
+                             excluded_ids=specials, seed=5)
+    assert report["prompts_digest"] == prompts_digest(expected)
+
+
+@pytest.mark.slow
+def test_bench_bad_flag_is_usage_error():
+    from vbatch.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "throughput", "--input-len", "512-128"])
+    assert result.exit_code == 2
+    assert "--input-len" in result.output
