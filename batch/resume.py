@@ -32,6 +32,7 @@ class OutputPlan:
     action: Literal["fresh", "resume", "complete"]
     num_done: int = 0            # whole records already in the partial (resume) or the final file (complete)
     num_trimmed_bytes: int = 0   # torn tail cut from the partial
+    num_done_errors: int = 0     # of the records done, how many are error records
 
 
 def remove_output(output: str) -> None:
@@ -65,26 +66,29 @@ def plan_output(output: str, expected: Manifest, *, resume: bool = True, overwri
     if not resume:
         raise OutputStateError(f"{partial} holds an unfinished run and --no-resume was given",
                                hint="drop --no-resume to continue it, or pass --overwrite to start over")
-    num_done, trimmed = trim_partial(partial)
-    return OutputPlan("resume", num_done=num_done, num_trimmed_bytes=trimmed)
+    num_done, trimmed, num_errors = trim_partial(partial)
+    return OutputPlan("resume", num_done=num_done, num_trimmed_bytes=trimmed, num_done_errors=num_errors)
 
 
-def trim_partial(path: str) -> tuple[int, int]:
-    """Keep the leading whole JSON lines of a partial; cut the rest. Returns (lines kept, bytes cut).
+def trim_partial(path: str) -> tuple[int, int, int]:
+    """Keep the leading whole JSON lines of a partial; cut the rest. Returns (lines kept, bytes cut,
+    error records among the lines kept).
 
     Only the last line can be torn by a kill; anything unreadable after a good prefix is cut too
     (those records are simply run again).
     """
-    num_lines = good_bytes = 0
+    num_lines = good_bytes = num_errors = 0
     with open(path, "rb") as f:
         for raw in f:
             if not raw.endswith(b"\n"):
                 break
             try:
-                if not isinstance(json.loads(raw), dict):
-                    break
+                line = json.loads(raw)
             except ValueError:
                 break
+            if not isinstance(line, dict):
+                break
+            num_errors += line.get("error") is not None
             num_lines += 1
             good_bytes += len(raw)
     size = os.path.getsize(path)
@@ -93,7 +97,7 @@ def trim_partial(path: str) -> tuple[int, int]:
             f.truncate(good_bytes)
             f.flush()
             os.fsync(f.fileno())
-    return num_lines, size - good_bytes
+    return num_lines, size - good_bytes, num_errors
 
 
 def skip_done(records: Iterable[T], partial: str, num_done: int, *, id_key: str = "id") -> Iterator[T]:

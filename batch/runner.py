@@ -73,7 +73,7 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
               defaults: dict[str, Any] | None = None, *, max_in_flight: int = 512,
               max_pending: int | None = None, chat_template: str | None = None,
               on_result: ResultHook | None = None,
-              should_stop: Callable[[], bool] | None = None) -> RunSummary:
+              should_stop: Callable[[], bool] | None = None, first_seq: int = 0) -> RunSummary:
     assert max_in_flight >= 1
     max_pending = max(max_pending or 4 * max_in_flight, max_in_flight)
     defaults = dict(defaults or {})
@@ -82,11 +82,12 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
     stats_before = _stat_counters(llm)
     start = time.perf_counter()
 
-    window: ReorderWindow[BatchResult] = ReorderWindow()
+    # A resumed run continues the numbering, so request ids match an uninterrupted run's.
+    window: ReorderWindow[BatchResult] = ReorderWindow(first_seq)
     in_engine: dict[str, tuple[int, BatchRecord]] = {}
     source = iter(records)
     is_exhausted = False
-    next_seq = 0
+    next_seq = first_seq
     counts = {"requests": 0, "ok": 0, "errors": 0, "prompt": 0, "generated": 0, "cached": 0}
 
     def emit(result: BatchResult) -> None:

@@ -195,8 +195,10 @@ def check_output(path: str, *, input_format: str, append: bool = False) -> str:
     return "jsonl"
 
 
-def open_writer(path: str, *, input_format: str, model: str, append: bool = False) -> Writer:
-    kind = check_output(path, input_format=input_format, append=append)
+def open_writer(path: str, *, input_format: str, model: str, append: bool = False,
+                kind: str | None = None) -> Writer:
+    """`kind` overrides the extension (a shard's `OUT.part-I-of-N` keeps OUT's format)."""
+    kind = kind or check_output(path, input_format=input_format, append=append)
     if kind == "openai":
         return OpenAIBatchWriter(path, model=model, append=append)
     if kind == "parquet":

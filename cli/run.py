@@ -185,7 +185,7 @@ def run(
     llm = load_llm(model, kwargs)
     if manifest is not None:
         write_manifest(target, manifest)  # before the partial's first line: a partial never lacks its manifest
-    writer = open_writer(target, input_format=reader.format, model=model, append=plan.action == "resume")
+    writer = open_writer(target, input_format=reader.format, model=model, append=plan.action == "resume", kind=fmt)
     records = skip_done(the_shard.select(reader), partial_path(target), plan.num_done,
                         id_key="custom_id" if fmt == "openai" else "id")
     progress = make_progress(None if total is None else total - plan.num_done)
@@ -200,7 +200,8 @@ def run(
         with StopSignals() as stop:
             result = run_batch(records, writer, llm, defaults,
                                max_in_flight=max_in_flight or 2 * (max_num_seqs or 256),
-                               chat_template=template, on_result=on_result, should_stop=stop.is_set)
+                               chat_template=template, on_result=on_result, should_stop=stop.is_set,
+                               first_seq=plan.num_done)
     except BaseException:
         writer.abort()
         raise
@@ -226,5 +227,5 @@ def run(
         typer.echo(f"stopped by {stop.name}: {result.num_requests} records written this run; "
                    f"rerun the same command to resume ({partial_path(target)})", err=True)
         raise typer.Exit(stop.exit_code)
-    if result.num_errors:
+    if result.num_errors or plan.num_done_errors:  # the whole output, the resumed part included
         raise typer.Exit(EXIT_RECORDS_FAILED)
