@@ -48,5 +48,8 @@ REFERENCE_OPS = Ops(
 
 def get_ops(device: torch.device | str) -> Ops:
     """The ops for `device`. Until GPU kernels land, every device runs the references."""
-    torch.device(device)  # validates the spelling early: a bad device fails at engine start
+    device = torch.device(device)  # validates the spelling early: a bad device fails at engine start
+    if device.type == "cuda":
+        from .triton_ops import cuda_ops  # the only place triton gets imported
+        return cuda_ops(REFERENCE_OPS)
     return REFERENCE_OPS
