@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from .config import EngineConfig
+from .cuda_graphs import capture_decode_graphs
 from .inputs import ModelInputs, prepare_inputs
 from .models.registry import get_model_class
 from .models.weights import iter_weights
@@ -44,6 +45,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.load_seconds = 0.0
+        self.cuda_graphs = None  # engine/cuda_graphs.DecodeGraphs once the KV cache exists (CUDA + Triton)
 
     # ------------------------------------------------------------------ start-up
     def load_model(self) -> None:
@@ -124,13 +126,17 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
+        self.cuda_graphs = capture_decode_graphs(self)  # None off CUDA
         return num_blocks
 
     # ------------------------------------------------------------------ per step
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         inputs = prepare_inputs(sched, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)   # [T, H]
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.attn):
+            hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.attn)        # [T, H]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)   # [T, H]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])                     # [rows, V] fp32
         num = len(sched.scheduled)
         sampled: list[tuple[int, ...]] = [()] * num
