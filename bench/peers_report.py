@@ -176,6 +176,21 @@ def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, ar
         f"- versions: {', '.join(versions)}",
         "",
         "## Command", "", "```", command, "```", "",
+        "## Measuring vbatch alone", "",
+        "```",
+        "vbatch bench throughput                       # 256 prompts, 128-512 tokens, 128 output tokens",
+        "vbatch bench throughput --input-len 256 --dataset fixed --json out.json",
+        "vbatch bench throughput --latency --input-len 128 --output-len 128 --num-iters 5 --ceilings",
+        "python bench/ceilings.py --threads 2            # GEMM rate, bandwidth, the model's ceilings",
+        "python bench/peers.py --quick                   # 64 prompts: the comparison in a few minutes",
+        "```",
+        "",
+        "`vbatch bench throughput` builds the engine (untimed), then times one `generate` over all prompts "
+        "(`ignore_eos`, `max_tokens = --output-len`, temperature 1) and prints requests/s, total tokens/s, "
+        "output tokens/s and the split into a prefill phase (until the last request has its first token) and "
+        "a decode phase; `--json` writes the same with vLLM's key names too (`elapsed_time`, "
+        "`requests_per_second`, `tokens_per_second`, `total_num_tokens`). `--latency` times batch 1 instead.",
+        "",
     ])
     if path is not None:
         path.write_text(text, encoding="utf-8")

@@ -157,3 +157,47 @@ def test_bench_bad_flag_is_usage_error():
     result = CliRunner().invoke(app, ["bench", "throughput", "--input-len", "512-128"])
     assert result.exit_code == 2
     assert "--input-len" in result.output
+
+
+# ---------------------------------------------------------------- bench/peers_report.py (a script beside the package)
+def _peers_report():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "peers_report.py"
+    spec = importlib.util.spec_from_file_location("peers_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(system, variant, rep, out_tok_s, decode=None, lat_decode=None):
+    tput = {"output_tokens_per_s": out_tok_s, "total_tokens_per_s": 3 * out_tok_s, "requests_per_s": 1.0,
+            "elapsed_s": 10.0, "decode_tokens_per_s": decode}
+    lat = {"median_s": 2.0, "output_tokens_per_s": 64.0, "decode_tokens_per_s": lat_decode}
+    return {"system": system, "variant": variant, "tag": f"{system}-{variant}-r{rep}", "repeat": rep,
+            "load": [["1.0 1.0 1.0", "1.1 1.0 1.0"]],
+            "result": {"system": system, "version": "x", "dtype": "bfloat16", "throughput": tput, "latency": lat}}
+
+
+def test_peers_report_medians_ratios_and_fractions(tmp_path):
+    report = _peers_report()
+    records = [_record("vbatch", "256", r, v, decode=d, lat_decode=90.0)
+               for r, (v, d) in enumerate([(900.0, 1000.0), (1000.0, 1200.0), (1100.0, 1100.0)])]
+    records += [_record("vllm", "256", r, v) for r, v in enumerate([500.0, 400.0, 600.0])]
+    records += [_record("transformers", "32", r, 100.0) for r in range(3)]
+    records += [_record("transformers", "64", r, 200.0) for r in range(3)]
+    rows = {(r["system"], r["variant"]): r for r in report.summarise(records)}
+    assert rows[("vbatch", "256")]["output_tok_s"] == 1000.0 and rows[("vbatch", "256")]["decode_tok_s"] == 1100.0
+    assert rows[("vllm", "256")]["output_tok_s"] == 500.0
+    ceilings = [{"rates": {"gemm_gflops": {"bfloat16": 500.0}, "read_gb_s": 30.0}, "linear_params": 100,
+                 "ceilings": {"bfloat16": {"compute_tok_s": 2200.0, "bandwidth_tok_s": 100.0}}}]
+    spec = {"model": "m", "prompts": [[1, 2]], "input_len": "2", "digest": "d", "latency_prompt": [1],
+            "output_len": 4, "latency_iters": 1, "threads": 2}
+    out = tmp_path / "b.md"
+    text = report.write_report(records, ceilings, spec, SimpleNamespace(repeats=3), ["bench/peers.py"], out)
+    assert out.read_text() == text
+    assert "vbatch ÷ vLLM CPU: **2.00x** (target ≥ 1.5x: met)" in text       # 1000 / 500
+    assert "transformers (its best batch): **5.00x**" in text                 # 1000 / best(100, 200)
+    assert "compute ceiling: **50%**" in text                                 # 1100 / 2200
+    assert "bandwidth ceiling: **90%**" in text                               # 90 / 100
