@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -102,12 +103,28 @@ def worker_env(threads: int) -> dict:
     return env
 
 
+def _busy_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has spent busy since boot (/proc/stat)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def timed_run(cmd: list[str], priority: list[str], env: dict, log: Path) -> tuple[int, float, str, str]:
+    """Run `cmd` in its own session; the 'after' load also says how many cores *other* processes kept
+    busy meanwhile (machine busy time minus this run's own CPU time, over the wall time)."""
     before = loadavg()
-    t0 = time.perf_counter()
+    busy0, mine0, t0 = _busy_cpu_seconds(), _children_cpu_seconds(), time.perf_counter()
     with log.open("w") as f:
         rc = subprocess.run(priority + cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO)).returncode
-    return rc, time.perf_counter() - t0, before, loadavg()
+    wall = time.perf_counter() - t0
+    others = max(0.0, (_busy_cpu_seconds() - busy0) - (_children_cpu_seconds() - mine0)) / wall
+    return rc, wall, before, f"{loadavg()} (others busy: {others:.2f} cores)"
 
 
 def vbatch_cmds(spec: dict, out: Path) -> list[list[str]]:
