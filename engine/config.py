@@ -49,6 +49,9 @@ class ModelConfig:
     """auto: defaults from the model's generation_config.json; vllm: neutral defaults; else a folder."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    num_threads: int | None = None
+    """CPU: torch intra-op threads, set by the engine at start. None: $VBATCH_NUM_THREADS if set,
+    else the number of cores this process may run on (os.sched_getaffinity)."""
 
     def validate(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -57,6 +60,8 @@ class ModelConfig:
             raise ConfigError("dtype", f"must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 

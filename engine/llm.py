@@ -31,9 +31,10 @@ class LLM:
                  enable_chunked_prefill: bool = True, kv_cache_memory: int | str | None = None,
                  block_size: int = 16, seed: int = 0, generation_config: str = "auto", device: str = "auto",
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
-                 quiet: bool = False) -> None:
+                 num_threads: int | None = None, quiet: bool = False) -> None:
         model_cfg = ModelConfig(model=str(model), tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-                                seed=seed, generation_config=generation_config, device=device)
+                                seed=seed, generation_config=generation_config, device=device,
+                                num_threads=num_threads)
         cache_cfg = CacheConfig(block_size=block_size,
                                 kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
                                 gpu_memory_utilization=gpu_memory_utilization,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -29,6 +30,22 @@ logger = logging.getLogger("vbatch.engine")
 _CPU_DEFAULT_KV_BYTES = 4 * 2**30
 
 
+def cpu_thread_count(requested: int | None) -> int:
+    """Threads for torch on CPU: the request, else $VBATCH_NUM_THREADS, else the cores we may use.
+
+    Set explicitly because torch's default follows the machine, not this process's affinity
+    mask, and oversubscribed GEMM threads on a shared machine are erratic (REFERENCE 8)."""
+    if requested is not None:
+        return requested
+    env = os.environ.get("VBATCH_NUM_THREADS")
+    if env and env.isdigit() and int(env) >= 1:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path: Path,
                  device: torch.device, dtype: torch.dtype) -> None:
@@ -46,6 +63,9 @@ class ModelRunner:
         self.num_blocks = 0
         self.load_seconds = 0.0
         self.cuda_graphs = None  # engine/cuda_graphs.DecodeGraphs once the KV cache exists (CUDA + Triton)
+        self.warmup_seconds = 0.0
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_thread_count(config.model.num_threads))
 
     # ------------------------------------------------------------------ start-up
     def load_model(self) -> None:
@@ -55,6 +75,8 @@ class ModelRunner:
             model = cls(self.hf_config, dtype=self.dtype, device=self.device,
                         max_model_len=self.config.scheduler.max_model_len)
         model.load_weights(iter_weights(self.model_path))
+        if hasattr(model, "finalize_weights"):
+            model.finalize_weights()   # CPU bf16: prepacks every GEMM weight for oneDNN
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - t0
 
@@ -127,7 +149,38 @@ class ModelRunner:
                           for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
         self.cuda_graphs = capture_decode_graphs(self)  # None off CUDA
+        ops = getattr(self.model, "ops", None)
+        if self.device.type == "cpu" and ops is not None and ops.name != "reference":
+            self._warm_up_decode()
         return num_blocks
+
+    def _warm_up_decode(self) -> None:
+        """Run decode steps of batch 2 and 1 over a scratch cache before any request arrives.
+
+        The CPU bf16 decode attention is compiled by inductor on first use (kernels/cpu_attention.py);
+        paying it here keeps it out of the first step and makes it measurable (`warmup_seconds`)."""
+        from vbatch.kernels.attention_metadata import AttentionMetadata
+        t0 = time.perf_counter()
+        m, bs = self.model, self.block_size
+        for batch in (2, 1):
+            seq_len = 3
+            blocks_per_req = -(-seq_len // bs)
+            caches = [tuple(torch.zeros(m.kv_cache_shape(batch * blocks_per_req + 1, bs), dtype=self.dtype)
+                            for _ in range(2)) for _ in range(m.num_layers)]
+            tables = torch.arange(1, batch * blocks_per_req + 1, dtype=torch.int32).view(batch, blocks_per_req)
+            positions = torch.full((batch,), seq_len - 1, dtype=torch.int64)
+            slots = tables[:, (seq_len - 1) // bs].to(torch.int64) * bs + (seq_len - 1) % bs
+            attn = AttentionMetadata(
+                slot_mapping=slots, query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+                seq_lens=torch.full((batch,), seq_len, dtype=torch.int32),
+                context_lens=torch.full((batch,), seq_len - 1, dtype=torch.int32),
+                block_tables=tables, block_size=bs, max_query_len=1, max_seq_len=seq_len,
+                query_lens_list=(1,) * batch, seq_lens_list=(seq_len,) * batch)
+            with torch.inference_mode():
+                hidden = m(torch.zeros(batch, dtype=torch.int64), positions, caches, attn)
+                m.compute_logits(hidden)
+        self.warmup_seconds = time.perf_counter() - t0
+        logger.info("CPU warm-up (kernel compilation) took %.1fs", self.warmup_seconds)
 
     # ------------------------------------------------------------------ per step
     @torch.inference_mode()

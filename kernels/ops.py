@@ -8,10 +8,12 @@ re-exported as is.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch import nn
 
 from .activation_ref import silu_and_mul
 from .attention_ref import paged_attention
@@ -33,6 +35,9 @@ class Ops:
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
+    # Called once per nn.Linear after the weights load; may return a faster module with the same
+    # forward (CPU bf16: oneDNN-prepacked weights, kernels/cpu_linear.py). Default: keep it.
+    pack_linear: Callable[[nn.Module], nn.Module] = lambda linear: linear
 
 
 REFERENCE_OPS = Ops(
@@ -46,10 +51,23 @@ REFERENCE_OPS = Ops(
 )
 
 
-def get_ops(device: torch.device | str) -> Ops:
-    """The ops for `device`. Until GPU kernels land, every device runs the references."""
+def _cpu_ops(dtype: torch.dtype) -> Ops:
+    """bf16 on a CPU with avx512_bf16: prepacked oneDNN GEMMs and the fused decode attention.
+
+    fp32 keeps the references: its greedy tokens are tested identical to transformers'."""
+    from . import cpu_attention, cpu_linear
+    if not cpu_linear.can_pack(dtype):
+        return REFERENCE_OPS
+    return dataclasses.replace(REFERENCE_OPS, name="cpu-bf16", paged_attention=cpu_attention.paged_attention,
+                               pack_linear=cpu_linear.pack_linear)
+
+
+def get_ops(device: torch.device | str, dtype: torch.dtype | None = None) -> Ops:
+    """The ops for `device` (and the model's `dtype`; None: the references)."""
     device = torch.device(device)  # validates the spelling early: a bad device fails at engine start
     if device.type == "cuda":
         from .triton_ops import cuda_ops  # the only place triton gets imported
         return cuda_ops(REFERENCE_OPS)
+    if device.type == "cpu" and dtype is not None:
+        return _cpu_ops(dtype)
     return REFERENCE_OPS

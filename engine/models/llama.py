@@ -141,12 +141,13 @@ class LlamaForCausalLM(nn.Module):
         self.shape = s = self._read_shape(config, max_model_len)
         _check_full_attention(config, max_model_len or s.max_position)
         self.num_layers, self.num_kv_heads, self.head_dim = s.num_layers, s.num_kv_heads, s.head_dim
-        self.ops = get_ops(self.device)
+        self.ops = get_ops(self.device, dtype)
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList(LlamaDecoderLayer(s, self.ops) for _ in range(s.num_layers))
             self.norm = nn.Parameter(torch.empty(s.hidden_size), requires_grad=False)
             self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # set by finalize_weights when the ops repack the head
         self.to_empty(device=self.device)
         self.to(dtype)
         self.requires_grad_(False)
@@ -187,8 +188,28 @@ class LlamaForCausalLM(nn.Module):
         return hidden  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def finalize_weights(self) -> None:
+        """After load_weights: let the ops repack every Linear (CPU bf16: oneDNN blocked layouts).
+
+        The tied head gets its own packed copy of the embedding (the lookup needs the plain one):
+        26 MB more in bf16, for a 3x faster logits GEMM at batch 64 here."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv, attn.o_proj = self.ops.pack_linear(attn.qkv), self.ops.pack_linear(attn.o_proj)
+            mlp.gate_up, mlp.down_proj = self.ops.pack_linear(mlp.gate_up), self.ops.pack_linear(mlp.down_proj)
+        head = self.lm_head
+        if head is None:
+            with torch.device("meta"):
+                head = nn.Linear(self.shape.hidden_size, self.shape.vocab_size, bias=False)
+            head.weight = nn.Parameter(self.embed_tokens.weight, requires_grad=False)
+        packed = self.ops.pack_linear(head)
+        self.logits_head = None if isinstance(packed, nn.Linear) else packed
 
     # ------------------------------------------------------------------ weights
     def _weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:

@@ -1,0 +1,125 @@
+"""CPU paged attention: decode rows read the paged KV cache in place through one fused kernel.
+
+Bound as `Ops.paged_attention` for bf16 on CPU (kernels/ops.py); same signature and contract as
+`attention_ref.paged_attention`, which is its test oracle (tests/test_cpu_kernels.py).
+
+    paged_attention(query, key_cache, value_cache, attn, scale)
+      decode rows (query length 1)  -> decode_attention: one compiled kernel for the whole batch
+      longer rows (prefill, chunks) -> the reference per-request fp32 SDPA
+
+NOTE: why a compiled kernel. The reference gathers every decode request's keys and values into a
+padded copy, upcasts the copy to fp32 and runs SDPA: three passes over the KV bytes plus a write
+of twice their size. `decode_attention` is written so inductor fuses the block-table lookup into
+the two reductions (q.k over head_dim, p.v over positions): the cache is read once, in place, in
+bf16, upcast in registers, softmax in fp32. Measured here (batch 64, lengths 128-640, bf16,
+2 threads): 16-53 ms per layer for the reference vs 5 ms compiled (bf16 batched matmuls after a
+block gather: 7 ms). Inductor compiles it once per process for dynamic shapes (about 20 s cold,
+a few seconds from its on-disk cache; batch 1 is a second specialisation); the model runner's
+warm-up pays that before the first request and reports it. If compilation fails, or
+VBATCH_CPU_COMPILE=0, the same function runs eagerly (slower, same numbers).
+NOTE: padding positions (past a request's length, up to the batch's longest) re-read the
+request's last real token, as in the reference: finite data that the -inf mask then hides.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .attention_metadata import AttentionMetadata
+from .attention_ref import _attend_one_request, _gather_request_kv
+
+logger = logging.getLogger("vbatch.kernels")
+
+
+def decode_attention(
+    query: torch.Tensor,         # [B, num_q_heads, head_dim]
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, max_num_blocks] int32/int64
+    seq_lens: torch.Tensor,      # [B] int: tokens in the cache per request (including this step's)
+    scale: float,
+) -> torch.Tensor:               # [B, num_q_heads, head_dim], dtype of query
+    num_reqs = query.shape[0]
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    group = query.shape[1] // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+    positions = torch.arange(max_len, device=query.device)                            # [S]
+    clamped = torch.minimum(positions[None, :], seq_lens[:, None].to(torch.int64) - 1)  # [B, S]
+    slots = block_tables.to(torch.int64).gather(1, clamped // block_size) * block_size + clamped % block_size
+    keys = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots]      # [B, S, Hk, D]
+    values = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots]  # [B, S, Hk, D]
+    # Elementwise products summed (not matmul): inductor keeps the gather inside the reductions.
+    q = query.view(num_reqs, 1, num_kv_heads, group, head_dim).float()
+    scores = (q * keys.view(num_reqs, max_len, num_kv_heads, 1, head_dim).float()).sum(-1) * scale  # [B, S, Hk, G]
+    valid = positions[None, :] < seq_lens[:, None]                                      # [B, S]
+    scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)                                                # [B, S, Hk, G] fp32
+    out = (probs[..., None] * values.view(num_reqs, max_len, num_kv_heads, 1, head_dim).float()).sum(1)
+    return out.reshape(num_reqs, num_kv_heads * group, head_dim).to(query.dtype)       # [B, Hq, D]
+
+
+_compiled = None
+
+
+def _decode_kernel():
+    """decode_attention compiled by inductor once per process (eager when disabled or on failure)."""
+    global _compiled
+    if _compiled is None:
+        if os.environ.get("VBATCH_CPU_COMPILE", "1") == "0":
+            _compiled = decode_attention
+        else:
+            try:
+                _compiled = torch.compile(decode_attention, dynamic=True, fullgraph=True)
+            except Exception as e:  # noqa: BLE001 - any compiler problem degrades to eager, loudly
+                logger.warning("torch.compile unavailable for CPU decode attention (%s); running eagerly", e)
+                _compiled = decode_attention
+    return _compiled
+
+
+def _run_decode(*args) -> torch.Tensor:
+    global _compiled
+    kernel = _decode_kernel()
+    if kernel is decode_attention:
+        return kernel(*args)
+    try:
+        return kernel(*args)
+    except Exception as e:  # noqa: BLE001 - a compiler failure at first call (no gcc, ...) falls back
+        logger.warning("compiled CPU decode attention failed (%s: %s); running eagerly", type(e).__name__, e)
+        _compiled = decode_attention
+        return decode_attention(*args)
+
+
+def paged_attention(
+    query: torch.Tensor,        # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:              # [num_tokens, num_q_heads, head_dim], dtype of query
+    assert query.shape[1] % key_cache.shape[2] == 0, "num_q_heads must be a multiple of num_kv_heads"
+    if attn.is_decode_only:     # the common step: no per-request Python at all
+        return _run_decode(query, key_cache, value_cache, attn.block_tables, attn.seq_lens, scale)
+    out = torch.empty_like(query)
+    decode_reqs: list[int] = []
+    decode_tokens: list[int] = []
+    start = 0
+    for req, (query_len, seq_len) in enumerate(zip(attn.query_lens_list, attn.seq_lens_list)):
+        if query_len == 1:
+            decode_reqs.append(req)
+            decode_tokens.append(start)
+        elif query_len > 1:
+            key = _gather_request_kv(key_cache, attn.block_tables[req], seq_len)
+            value = _gather_request_kv(value_cache, attn.block_tables[req], seq_len)
+            rows = _attend_one_request(query[start:start + query_len], key, value, scale)
+            out[start:start + query_len] = rows.to(out.dtype)
+        start += query_len
+    if decode_reqs:
+        req_index = torch.tensor(decode_reqs, device=query.device)
+        token_index = torch.tensor(decode_tokens, device=query.device)
+        rows = _run_decode(query.index_select(0, token_index), key_cache, value_cache,
+                           attn.block_tables.index_select(0, req_index), attn.seq_lens.index_select(0, req_index),
+                           scale)
+        out.index_copy_(0, token_index, rows)
+    return out

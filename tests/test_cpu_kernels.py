@@ -1,0 +1,121 @@
+"""The CPU fast paths (kernels/cpu_linear.py, kernels/cpu_attention.py) against their oracles.
+
+Oracles: `F.linear` and an fp64 matmul on the same bf16 tensors for the prepacked oneDNN linear;
+the reference `attention_ref.paged_attention` (itself tested against a naive fp64 softmax in
+test_kernels_reference.py) for the decode attention, eager here and compiled in the slow test.
+Tolerances: packed linear within one bf16 rounding of the fp64 product (2^-8 relative to the row's
+largest output) and at most that far from F.linear; attention within 2e-2 of the fp32-computing
+reference on bf16 caches (outputs are O(1) and rounded to bf16 once, as in test_kernels_reference).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from test_kernels_reference import make_metadata
+from vbatch.kernels import attention_ref, cpu_attention, cpu_linear
+from vbatch.kernels.ops import REFERENCE_OPS, get_ops
+
+torch.set_num_threads(1)
+
+needs_bf16 = pytest.mark.skipif(not cpu_linear.can_pack(torch.bfloat16),
+                                reason="this CPU/torch has no oneDNN bf16 (avx512_bf16) path")
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64, 130])
+def test_packed_linear_matches_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    packed = cpu_linear.pack_linear(linear)
+    assert isinstance(packed, cpu_linear.PackedLinear)
+    got = packed(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
+    exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
+    tol = exact.abs().amax().item() * 2 ** -8
+    assert (got.double() - exact).abs().max().item() <= tol
+    assert (got.double() - F.linear(x, linear.weight, linear.bias).double()).abs().max().item() <= tol
+
+
+@needs_bf16
+def test_packed_linear_keeps_leading_dims_and_fp32_stays_plain():
+    linear = nn.Linear(32, 48).to(torch.bfloat16)
+    x = torch.randn(2, 3, 32).to(torch.bfloat16)
+    assert cpu_linear.pack_linear(linear)(x).shape == (2, 3, 48)
+    plain = nn.Linear(32, 48)
+    assert cpu_linear.pack_linear(plain) is plain
+
+
+def test_get_ops_binds_fast_cpu_paths_only_for_bf16():
+    assert get_ops("cpu") is REFERENCE_OPS
+    assert get_ops("cpu", torch.float32) is REFERENCE_OPS
+    bf16_ops = get_ops("cpu", torch.bfloat16)
+    if cpu_linear.can_pack(torch.bfloat16):
+        assert bf16_ops.paged_attention is cpu_attention.paged_attention
+        assert bf16_ops.pack_linear is cpu_linear.pack_linear
+
+
+def _random_step(context_lens, query_lens, block_size, num_kv_heads=2, group=3, head_dim=16, seed=0):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens)) + 3
+    attn = make_metadata(context_lens, query_lens, block_size, num_blocks, rng)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape).to(torch.bfloat16)
+    value_cache = torch.randn(shape).to(torch.bfloat16)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim).to(torch.bfloat16)
+    return query, key_cache, value_cache, attn, head_dim ** -0.5
+
+
+CASES = {
+    "decode_equal_lengths": ([5, 5, 5], [1, 1, 1], 4),
+    "decode_ragged": ([0, 3, 17, 40, 8], [1, 1, 1, 1, 1], 4),
+    "decode_one_request": ([29], [1], 8),
+    "decode_big_blocks": ([100, 7, 255], [1, 1, 1], 128),
+    "mixed_prefill_and_decode": ([6, 0, 11, 3], [1, 9, 1, 4], 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_paged_attention_eager_matches_reference(case, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_compiled", cpu_attention.decode_attention)  # eager: fast CI
+    context_lens, query_lens, block_size = CASES[case]
+    query, key_cache, value_cache, attn, scale = _random_step(context_lens, query_lens, block_size)
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
+    got = cpu_attention.paged_attention(query, key_cache, value_cache, attn, scale)
+    assert got.dtype == query.dtype and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
+def test_decode_attention_ignores_non_finite_padding_blocks(monkeypatch):
+    # Cache slots past a request's length (and block 0, the padding block) may hold anything.
+    monkeypatch.setattr(cpu_attention, "_compiled", cpu_attention.decode_attention)
+    query, key_cache, value_cache, attn, scale = _random_step([2, 13], [1, 1], 4)
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
+    used = set()
+    for r, n in enumerate(attn.seq_lens_list):
+        used.update(int(b) for b in attn.block_tables[r, :-(-n // 4)])
+    for b in range(key_cache.shape[0]):
+        if b not in used:
+            key_cache[b] = float("nan")
+            value_cache[b] = float("inf")
+    got = cpu_attention.paged_attention(query, key_cache, value_cache, attn, scale)
+    assert torch.isfinite(got.float()).all()
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.slow
+def test_compiled_decode_attention_matches_reference():
+    """The inductor-compiled kernel (the one the engine runs), batch > 1 and batch 1."""
+    for case in ("decode_ragged", "decode_one_request", "decode_big_blocks", "mixed_prefill_and_decode"):
+        context_lens, query_lens, block_size = CASES[case]
+        query, key_cache, value_cache, attn, scale = _random_step(context_lens, query_lens, block_size)
+        want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
+        got = cpu_attention.paged_attention(query, key_cache, value_cache, attn, scale)
+        assert (got.float() - want.float()).abs().max().item() < 2e-2, case
