@@ -18,6 +18,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +34,9 @@ from peers_report import write_report  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
 VLLM_VENV = Path.home() / ".cache" / "vbatch" / "bench" / "vllm-venv"
-PRIORITY = ["setsid", "--wait", "bash", "-c", 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"', "_"]
+# Run in a new session (Popen start_new_session: its own autogroup), raised to nice -19: plain `nice`
+# does nothing here because the kernel schedules by session (REFERENCE 8).
+PRIORITY = ["bash", "-c", 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"', "_"]
 
 
 def say(msg: str) -> None:
@@ -62,7 +65,7 @@ def ensure_vllm_venv() -> Path:
 
 def probe_priority() -> list[str]:
     """The high-priority session wrapper when this machine allows it, else nothing."""
-    ok = subprocess.run(PRIORITY + ["true"], capture_output=True).returncode == 0
+    ok = subprocess.run(PRIORITY + ["true"], capture_output=True, start_new_session=True).returncode == 0
     if not ok:
         say("cannot raise the session priority here; runs use the default priority")
     return PRIORITY if ok else []
@@ -115,13 +118,30 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+RUN_TIMEOUT_S = 1800.0
+"""A run past this is killed (its whole process group) and recorded as failed: on a shared machine
+an oversubscribed OpenMP run can crawl for ever instead of finishing late."""
+
+
+def _run_session(cmd: list[str], env: dict, log) -> int:
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this script started, by its id
+        proc.wait()
+        say(f"killed after {RUN_TIMEOUT_S:.0f} s: {' '.join(cmd[-6:])}")
+        return 124
+
+
 def timed_run(cmd: list[str], priority: list[str], env: dict, log: Path) -> tuple[int, float, str, str]:
     """Run `cmd` in its own session; the 'after' load also says how many cores *other* processes kept
     busy meanwhile (machine busy time minus this run's own CPU time, over the wall time)."""
     before = loadavg()
     busy0, mine0, t0 = _busy_cpu_seconds(), _children_cpu_seconds(), time.perf_counter()
     with log.open("w") as f:
-        rc = subprocess.run(priority + cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO)).returncode
+        rc = _run_session(priority + cmd, env, f)
     wall = time.perf_counter() - t0
     others = max(0.0, (_busy_cpu_seconds() - busy0) - (_children_cpu_seconds() - mine0)) / wall
     return rc, wall, before, f"{loadavg()} (others busy: {others:.2f} cores)"
@@ -189,6 +209,7 @@ def measure_ceilings(priority: list[str], threads: int, workdir: Path, tag: str)
 
 
 def main(argv: list[str] | None = None) -> int:
+    global RUN_TIMEOUT_S
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-prompts", type=int, default=256)
@@ -203,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="vbatch,vllm,transformers,llamacpp")
     parser.add_argument("--transformers-batch-sizes", default="32,64")
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S, help="seconds before a run is killed")
     parser.add_argument("--workdir", default=None, help="keep logs and JSON here (default: a temp folder)")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_prompts = 64
+    RUN_TIMEOUT_S = args.run_timeout
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "llamacpp" in systems:
