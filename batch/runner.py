@@ -21,6 +21,7 @@ does them again) and the summary says `interrupted`.
 """
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
@@ -103,46 +104,53 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
             on_result(result)
 
     is_interrupted = False
-    while True:
-        if should_stop is not None and should_stop():
-            is_interrupted = True
+    try:
+        while True:
+            if should_stop is not None and should_stop():
+                is_interrupted = True
+                for result in window.pop_ready():
+                    emit(result)
+                break
+            # 1. admit
+            while (not is_exhausted and len(in_engine) < max_in_flight
+                   and len(in_engine) + window.num_held < max_pending):
+                try:
+                    rec = next(source)
+                except StopIteration:
+                    is_exhausted = True
+                    break
+                seq, next_seq = next_seq, next_seq + 1
+                if isinstance(rec, RecordError):
+                    window.put(seq, BatchResult(seq, input_error=rec))
+                    continue
+                request_id = str(seq)
+                try:
+                    params = _params_for(base, defaults, rec)
+                    engine.add_request(request_id, _prompt_for(llm, rec, chat_template), params)
+                except VBatchError as e:
+                    window.put(seq, BatchResult(seq, record=rec, error=str(e)))
+                    continue
+                in_engine[request_id] = (seq, rec)
+            # 2. write what is ready, in order
             for result in window.pop_ready():
                 emit(result)
-            break
-        # 1. admit
-        while (not is_exhausted and len(in_engine) < max_in_flight
-               and len(in_engine) + window.num_held < max_pending):
-            try:
-                rec = next(source)
-            except StopIteration:
-                is_exhausted = True
-                break
-            seq, next_seq = next_seq, next_seq + 1
-            if isinstance(rec, RecordError):
-                window.put(seq, BatchResult(seq, input_error=rec))
+            if not in_engine:
+                if is_exhausted:
+                    break
                 continue
-            request_id = str(seq)
-            try:
-                params = _params_for(base, defaults, rec)
-                engine.add_request(request_id, _prompt_for(llm, rec, chat_template), params)
-            except VBatchError as e:
-                window.put(seq, BatchResult(seq, record=rec, error=str(e)))
-                continue
-            in_engine[request_id] = (seq, rec)
-        # 2. write what is ready, in order
-        for result in window.pop_ready():
-            emit(result)
-        if not in_engine:
-            if is_exhausted:
-                break
-            continue
-        # 3. one engine step
-        finished = engine.step()
-        for out in finished:
-            seq, rec = in_engine.pop(out.request_id)
-            window.put(seq, BatchResult(seq, record=rec, output=out))
-        assert finished or engine.has_unfinished_requests(), "engine lost requests it was given"
-
+            # 3. one engine step
+            finished = engine.step()
+            for out in finished:
+                seq, rec = in_engine.pop(out.request_id)
+                window.put(seq, BatchResult(seq, record=rec, output=out))
+            assert finished or engine.has_unfinished_requests(), "engine lost requests it was given"
+    finally:
+        # A stopped or failed run leaves nothing in the engine: a reused LLM starts clean.
+        abort = getattr(engine, "abort_request", None)
+        if abort is not None:
+            for request_id in list(in_engine):
+                with contextlib.suppress(Exception):  # never hide the error that ended the run
+                    abort(request_id)
     assert is_interrupted or window.num_held == 0
     stats = _stat_counters(llm)
     delta = {k: stats.get(k, 0) - stats_before.get(k, 0) for k in stats}
