@@ -52,7 +52,7 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
     inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Item {i}: the number {i * 7} is"}) + "\n"
                            for i in range(NUM_RECORDS)))
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    done = subprocess.run(command(inp, ref), env=env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command(inp, ref), env=env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
 
     partial = tmp_path / "out.jsonl.partial"
@@ -60,7 +60,7 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
     while kills < NUM_KILLS:
         before = size(partial)
         proc = subprocess.Popen(command(inp, out), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 900
         while size(partial) <= max(before, 0) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.4))
@@ -74,7 +74,7 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
         with open(partial, "rb") as f:
             lines_after_kill.append(f.read().count(b"\n"))
     assert lines_after_kill == sorted(lines_after_kill) and lines_after_kill[-1] < NUM_RECORDS
-    last = subprocess.run(command(inp, out), env=env(), capture_output=True, text=True, timeout=120)
+    last = subprocess.run(command(inp, out), env=env(), capture_output=True, text=True, timeout=900)
     assert last.returncode == 0, last.stderr[-2000:]
     assert "resuming after" in last.stderr
     rows = stable(out)
