@@ -91,8 +91,8 @@ def throughput(
     ceilings: Annotated[bool, typer.Option("--ceilings", help="Also measure GEMM rate and memory bandwidth "
                                            "and print decode as a fraction of the ceilings.",
                                            rich_help_panel=BENCH)] = False,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's, one per core).",
-                                                   rich_help_panel=BENCH)] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        help="torch threads (default: the engine's, one per usable core).", rich_help_panel=BENCH)] = None,
     json_file: Annotated[Optional[Path], typer.Option("--json", help="Also write the results as JSON here.",
                                                       rich_help_panel=BENCH)] = None,
     dtype: o.Dtype = "auto",
@@ -128,6 +128,8 @@ def throughput(
                            enable_prefix_caching=False if latency else None, seed=seed,
                            generation_config="vllm", device=device)
     kwargs["quiet"] = True
+    if threads is not None:
+        kwargs["num_threads"] = threads  # the engine sets torch's thread count itself when it starts
 
     t0 = time.perf_counter()
     llm = load_llm(model, kwargs)
