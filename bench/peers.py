@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     if "llamacpp" in systems and not spec["gguf"]:
         say("no GGUF for this model: skipping llama.cpp")
         systems.remove("llamacpp")
+    # the commit when the runs start: the working tree may move on while they run
+    spec["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=str(REPO)).stdout.strip()
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
     vllm_python = ensure_vllm_venv() if "vllm" in systems else None

@@ -115,6 +115,8 @@ def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, ar
     rows = summarise(records)
     vb = _best(rows, "vbatch")
     facts = machine_facts(repo)
+    if spec.get("commit") and not facts["commit"].startswith(spec["commit"]):
+        facts["commit"] = f"{spec['commit']} when the runs started; {facts['commit']} when they ended"
     ceiling_lines, fractions = _ceiling_lines(rows, ceilings)
 
     table = ["| system | version | dtype | batch | output tok/s | total tok/s | requests/s | vbatch ÷ it "
