@@ -7,6 +7,8 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The engine sets torch's thread count at start (engine/model_runner.py); tests run with one.
+os.environ.setdefault("VBATCH_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
