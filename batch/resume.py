@@ -1,7 +1,9 @@
 """Resume: decide what to do with an existing output, trim a killed run's partial, skip what is done.
 
 `plan_output` looks at `OUT`, `OUT.partial` and `OUT.manifest.json` and answers
-- "fresh": nothing there (or `--overwrite`): start from the first record;
+- "fresh": nothing there: start from the first record;
+- "replace": `--overwrite`: start from the first record; the caller removes the old files
+  (`remove_output`) only once the input has passed validation, so a refused run loses nothing;
 - "resume": a partial of this very run (same input, options, format, shard): its torn last line
   (the process was killed mid-write) is cut away and its whole lines are kept;
 - "complete": `OUT` exists and belongs to this run: nothing to do.
@@ -29,7 +31,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class OutputPlan:
-    action: Literal["fresh", "resume", "complete"]
+    action: Literal["fresh", "replace", "resume", "complete"]
     num_done: int = 0            # whole records already in the partial (resume) or the final file (complete)
     num_trimmed_bytes: int = 0   # torn tail cut from the partial
     num_done_errors: int = 0     # of the records done, how many are error records
@@ -44,8 +46,7 @@ def remove_output(output: str) -> None:
 
 def plan_output(output: str, expected: Manifest, *, resume: bool = True, overwrite: bool = False) -> OutputPlan:
     if overwrite:
-        remove_output(output)
-        return OutputPlan("fresh")
+        return OutputPlan("replace")
     partial = partial_path(output)
     has_final, has_partial = os.path.exists(output), os.path.exists(partial)
     if not has_final and not has_partial:

@@ -129,7 +129,7 @@ def run(
     from vbatch.batch.atomic_file import partial_path
     from vbatch.batch.manifest import Manifest, write_manifest
     from vbatch.batch.readers import open_reader
-    from vbatch.batch.resume import OutputPlan, plan_output, skip_done
+    from vbatch.batch.resume import OutputPlan, plan_output, remove_output, skip_done
     from vbatch.batch.runner import run_batch
     from vbatch.batch.shard import part_path, resolve_shard
     from vbatch.batch.writers import check_output, open_writer
@@ -180,6 +180,8 @@ def run(
     if not the_shard.is_whole:
         typer.echo(f"shard {the_shard.spec()} (from {the_shard.source}) -> {target}", err=True)
     total = first_pass(reader, the_shard, on_error=on_error) if file != "-" else None
+    if plan.action == "replace":
+        remove_output(target)     # only now: `--on-error fail` on a bad file keeps the old output
 
     # 3. the model, then the streaming loop
     llm = load_llm(model, kwargs)

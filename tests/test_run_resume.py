@@ -162,6 +162,18 @@ def test_output_of_another_run_is_refused_until_overwrite(tmp_path, loads):
     assert [r["id"] for r in stable(out)] == ["r0", "r1", "r2", "r3"]
 
 
+def test_overwrite_keeps_the_old_output_when_validation_fails(tmp_path, loads):
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(records(3))
+    bad.write_text(records(3, bad=(1,)))
+    out = tmp_path / "out.jsonl"
+    assert invoke(good, "-o", out).exit_code == 0
+    before = out.read_bytes()
+    refused = invoke(bad, "-o", out, "--overwrite", "--on-error", "fail")
+    assert refused.exit_code == 3
+    assert out.read_bytes() == before       # nothing removed: the run stopped before replacing it
+
+
 def test_foreign_file_and_no_resume_are_refused(tmp_path, loads):
     inp = tmp_path / "in.jsonl"
     inp.write_text(records(3))
