@@ -155,15 +155,16 @@ class ModelRunner:
         return num_blocks
 
     def _warm_up_decode(self) -> None:
-        """Run decode steps of batch 2 and 1 over a scratch cache before any request arrives.
+        """Run decode steps of batch 2, 3 and 1 over a scratch cache before any request arrives.
 
         The CPU bf16 decode attention is compiled by inductor on first use (kernels/cpu_attention.py);
         paying it here keeps it out of the first step and makes it measurable (`warmup_seconds`)."""
         from vbatch.kernels.attention_metadata import AttentionMetadata
         t0 = time.perf_counter()
         m, bs = self.model, self.block_size
-        for batch in (2, 1):
-            seq_len = 3
+        # Three shapes: the second makes batch and length dims dynamic in the compiled decode
+        # attention (one graph for every later batch >= 2), the third compiles batch 1.
+        for batch, seq_len in ((2, 20), (3, 40), (1, 20)):
             blocks_per_req = -(-seq_len // bs)
             caches = [tuple(torch.zeros(m.kv_cache_shape(batch * blocks_per_req + 1, bs), dtype=self.dtype)
                             for _ in range(2)) for _ in range(m.num_layers)]

@@ -4,8 +4,10 @@ Oracle: the same engine in fp32, whose greedy tokens test_engine_equality.py pro
 transformers'. bf16 cannot be token-identical (weights and activations are rounded to 8 mantissa
 bits), so the contract is statistical, over 20 prompts (12 chat questions, 8 raw texts):
   - prefill logits: max |bf16 - fp32| over the vocabulary below LOGIT_TOL for every prompt;
-  - greedy tokens: the common prefix of the first 16 tokens covers >= 85% of all tokens and the
-    first token agrees on >= 95% of prompts.
+  - greedy tokens: the first token agrees on >= 95% of prompts, and wherever the bf16 greedy run
+    first departs from fp32's, the fp32 model itself rates bf16's token within NEAR_TIE of its own
+    choice (a near-tie that 8-bit rounding may flip, not a wrong token); the common prefix of the
+    first 16 tokens covers >= 75% of all tokens (a floor only: the share is chaotic, see below).
 Measured here when written (2 threads, this CPU): see docs/performance.md ("bf16 accuracy").
 """
 from __future__ import annotations
@@ -20,7 +22,12 @@ pytestmark = pytest.mark.slow
 
 NUM_TOKENS = 16
 LOGIT_TOL = 1.5          # logits of this model span about +-30; bf16 rounding of 30 layers
-MIN_PREFIX_SHARE = 0.85   # measured 92.2% (1 thread, this CPU); 0.85 leaves room for other CPUs
+# The prefix share moves with any change to bf16 rounding: 92.2% with the reference prefill SDPA,
+# 83.4% with its flash path (fp32, 6e-7 apart; logits moved *closer* to fp32: median 0.456 ->
+# 0.385), because one flipped near-tie changes the rest of that prompt. The near-tie check is the
+# contract; the share is a floor against wholesale breakage.
+MIN_PREFIX_SHARE = 0.75
+NEAR_TIE = 1.0            # fp32 logit margin between fp32's token and bf16's at the first departure
 MIN_FIRST_TOKEN_SHARE = 0.95
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about autumn leaves.",
@@ -90,3 +97,10 @@ def test_bf16_greedy_tokens_mostly_agree_with_fp32(engines, prompts):
           f"per prompt {prefix}")
     assert share >= MIN_PREFIX_SHARE
     assert first >= MIN_FIRST_TOKEN_SHARE
+    margins = []
+    for ids, a, b, n in zip(prompts, want, got, prefix):
+        if n < NUM_TOKENS:
+            logits = _prefill_logits(fp32, list(ids) + list(a[:n]))
+            margins.append((logits[a[n]] - logits[b[n]]).item())
+    print(f"fp32 margins at the first departures: {[round(m, 3) for m in margins]}")
+    assert all(m <= NEAR_TIE for m in margins)

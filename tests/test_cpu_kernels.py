@@ -79,6 +79,8 @@ CASES = {
     "decode_one_request": ([29], [1], 8),
     "decode_big_blocks": ([100, 7, 255], [1, 1, 1], 128),
     "mixed_prefill_and_decode": ([6, 0, 11, 3], [1, 9, 1, 4], 4),
+    "prefills_and_chunk": ([0, 0, 7], [12, 5, 6], 4),
+    "decode_single_block": ([2, 1], [1, 1], 8),   # one-column block tables get padded to two
 }
 
 
@@ -113,9 +115,23 @@ def test_decode_attention_ignores_non_finite_padding_blocks(monkeypatch):
 @pytest.mark.slow
 def test_compiled_decode_attention_matches_reference():
     """The inductor-compiled kernel (the one the engine runs), batch > 1 and batch 1."""
-    for case in ("decode_ragged", "decode_one_request", "decode_big_blocks", "mixed_prefill_and_decode"):
+    for case in ("decode_ragged", "decode_one_request", "decode_big_blocks", "mixed_prefill_and_decode",
+                 "decode_single_block", "decode_equal_lengths"):
         context_lens, query_lens, block_size = CASES[case]
         query, key_cache, value_cache, attn, scale = _random_step(context_lens, query_lens, block_size)
         want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
         got = cpu_attention.paged_attention(query, key_cache, value_cache, attn, scale)
         assert (got.float() - want.float()).abs().max().item() < 2e-2, case
+
+
+@pytest.mark.parametrize("context_len,query_len", [(0, 1), (0, 13), (5, 4), (20, 1)])
+def test_prefill_attention_flash_path_matches_reference_in_fp32(context_len, query_len):
+    # The fp32 CPU path (4-D flash SDPA) against the reference's masked SDPA on the same fp32 inputs.
+    torch.manual_seed(context_len * 31 + query_len)
+    seq_len = context_len + query_len
+    query = torch.randn(query_len, 6, 16)
+    key, value = torch.randn(seq_len, 2, 16), torch.randn(seq_len, 2, 16)
+    want = attention_ref._attend_one_request(query, key, value, 0.25)
+    got = cpu_attention._attend_prefill(query, key, value, 0.25)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < 1e-5
