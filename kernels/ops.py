@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -38,6 +38,10 @@ class Ops:
     # Called once per nn.Linear after the weights load; may return a faster module with the same
     # forward (CPU bf16: oneDNN-prepacked weights, kernels/cpu_linear.py). Default: keep it.
     pack_linear: Callable[[nn.Module], nn.Module] = lambda linear: linear
+    # Optional, CPU bf16 (kernels/cpu_rotary.py): `prepare_rotary(positions, cos_sin_cache, dtype)`
+    # runs once per forward and the model passes its result to every layer's `apply_rotary` in
+    # place of the cos/sin cache. None: `apply_rotary` gets the cache itself (the reference contract).
+    prepare_rotary: Callable[..., Any] | None = None
 
 
 REFERENCE_OPS = Ops(
@@ -55,11 +59,12 @@ def _cpu_ops(dtype: torch.dtype) -> Ops:
     """bf16 on a CPU with avx512_bf16: prepacked oneDNN GEMMs and the fused decode attention.
 
     fp32 keeps the references: its greedy tokens are tested identical to transformers'."""
-    from . import cpu_attention, cpu_linear
+    from . import cpu_attention, cpu_linear, cpu_rotary
     if not cpu_linear.can_pack(dtype):
         return REFERENCE_OPS
     return dataclasses.replace(REFERENCE_OPS, name="cpu-bf16", paged_attention=cpu_attention.paged_attention,
-                               pack_linear=cpu_linear.pack_linear)
+                               pack_linear=cpu_linear.pack_linear, apply_rotary=cpu_rotary.apply_rotary,
+                               prepare_rotary=cpu_rotary.prepare_rotary)
 
 
 def get_ops(device: torch.device | str, dtype: torch.dtype | None = None) -> Ops:

@@ -135,3 +135,19 @@ def test_prefill_attention_flash_path_matches_reference_in_fp32(context_len, que
     got = cpu_attention._attend_prefill(query, key, value, 0.25)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_per_step_rotary_matches_reference(num_tokens, dtype):
+    from vbatch.kernels import cpu_rotary, rotary_ref
+    torch.manual_seed(num_tokens)
+    cache = rotary_ref.build_rope_cache(64, 1024, 10000.0, None)
+    positions = torch.randint(0, 1024, (num_tokens,))
+    q, k = torch.randn(num_tokens, 9, 64).to(dtype), torch.randn(num_tokens, 3, 64).to(dtype)
+    want_q, want_k = rotary_ref.apply_rotary(positions, q, k, cache)
+    tables = cpu_rotary.prepare_rotary(positions, cache, dtype)
+    got_q, got_k = cpu_rotary.apply_rotary(positions, q, k, tables)
+    # Same fp32 table, same casts, same products: equal up to the order of one add (bf16: exact here).
+    torch.testing.assert_close(got_q, want_q, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=0)

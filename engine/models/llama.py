@@ -81,7 +81,7 @@ class LlamaAttention(nn.Module):
         self.scale = s.head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                attn: AttentionMetadata, rope_cache: torch.Tensor) -> torch.Tensor:
+                attn: AttentionMetadata, rope_cache: Any) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.s.num_q_heads, self.s.head_dim)   # [T, Hq, D]
@@ -116,7 +116,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, attn: AttentionMetadata,
-                rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                rope_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:  # cache or Ops.prepare_rotary tables
         # The residual stream is carried un-normalised; each norm folds in the previous add.
         if residual is None:
             residual = hidden
@@ -182,8 +182,11 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], attn: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
+        # Ops with a per-step rotary table (CPU bf16) gather cos/sin once here, not in every layer.
+        rope = (self.rope_cache if self.ops.prepare_rotary is None
+                else self.ops.prepare_rotary(positions, self.rope_cache, self.dtype))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn, self.rope_cache)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope)
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.shape.rms_norm_eps)
         return hidden  # [T, hidden]
 
