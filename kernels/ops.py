@@ -42,6 +42,9 @@ class Ops:
     # runs once per forward and the model passes its result to every layer's `apply_rotary` in
     # place of the cos/sin cache. None: `apply_rotary` gets the cache itself (the reference contract).
     prepare_rotary: Callable[..., Any] | None = None
+    # Optional, CPU bf16 (kernels/cpu_attention.py): `prepare_attention(attn) -> attn'` runs once per
+    # forward; attn' (an AttentionMetadata with extra per-step fields) goes to every layer.
+    prepare_attention: Callable[..., Any] | None = None
 
 
 REFERENCE_OPS = Ops(
@@ -64,7 +67,8 @@ def _cpu_ops(dtype: torch.dtype) -> Ops:
         return REFERENCE_OPS
     return dataclasses.replace(REFERENCE_OPS, name="cpu-bf16", paged_attention=cpu_attention.paged_attention,
                                pack_linear=cpu_linear.pack_linear, apply_rotary=cpu_rotary.apply_rotary,
-                               prepare_rotary=cpu_rotary.prepare_rotary)
+                               prepare_rotary=cpu_rotary.prepare_rotary,
+                               prepare_attention=cpu_attention.prepare_attention)
 
 
 def get_ops(device: torch.device | str, dtype: torch.dtype | None = None) -> Ops:

@@ -151,3 +151,16 @@ def test_per_step_rotary_matches_reference(num_tokens, dtype):
     # Same fp32 table, same casts, same products: equal up to the order of one add (bf16: exact here).
     torch.testing.assert_close(got_q, want_q, atol=1e-6, rtol=0)
     torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["decode_ragged", "decode_single_block", "mixed_prefill_and_decode"])
+def test_prepared_attention_matches_reference(case, monkeypatch):
+    # The per-step slot table (prepare_attention, as the model's forward calls it) gives the same rows.
+    monkeypatch.setattr(cpu_attention, "_compiled", cpu_attention.decode_attention)
+    context_lens, query_lens, block_size = CASES[case]
+    query, key_cache, value_cache, attn, scale = _random_step(context_lens, query_lens, block_size)
+    prepared = cpu_attention.prepare_attention(attn)
+    assert (prepared is attn) == (not attn.is_decode_only)
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
+    got = cpu_attention.paged_attention(query, key_cache, value_cache, prepared, scale)
+    assert (got.float() - want.float()).abs().max().item() < 2e-2

@@ -185,6 +185,8 @@ class LlamaForCausalLM(nn.Module):
         # Ops with a per-step rotary table (CPU bf16) gather cos/sin once here, not in every layer.
         rope = (self.rope_cache if self.ops.prepare_rotary is None
                 else self.ops.prepare_rotary(positions, self.rope_cache, self.dtype))
+        if self.ops.prepare_attention is not None:  # CPU bf16: decode slot table once per step
+            attn = self.ops.prepare_attention(attn)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope)
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.shape.rms_norm_eps)
