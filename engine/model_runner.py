@@ -164,7 +164,8 @@ class ModelRunner:
         m, bs = self.model, self.block_size
         # Three shapes: the second makes batch and length dims dynamic in the compiled decode
         # attention (one graph for every later batch >= 2), the third compiles batch 1.
-        for batch, seq_len in ((2, 20), (3, 40), (1, 20)):
+        max_len = self.config.scheduler.max_model_len    # positions past it have no rotary entry
+        for batch, seq_len in ((2, min(20, max_len)), (3, min(40, max_len)), (1, min(20, max_len))):
             blocks_per_req = -(-seq_len // bs)
             caches = [tuple(torch.zeros(m.kv_cache_shape(batch * blocks_per_req + 1, bs), dtype=self.dtype)
                             for _ in range(2)) for _ in range(m.num_layers)]
