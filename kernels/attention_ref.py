@@ -16,6 +16,8 @@ through the masked softmax (zeroing with masked_fill instead costs more than the
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -91,25 +93,41 @@ def paged_attention(
 ) -> torch.Tensor:              # [num_tokens, num_q_heads, head_dim], dtype of query
     assert query.shape[1] % key_cache.shape[2] == 0, "num_q_heads must be a multiple of num_kv_heads"
     out = torch.empty_like(query)
-    decode_reqs: list[int] = []
-    decode_tokens: list[int] = []
+    parts = split_requests(attn)
+    for req, start, query_len, seq_len in parts.prefills:
+        key = _gather_request_kv(key_cache, attn.block_tables[req], seq_len)
+        value = _gather_request_kv(value_cache, attn.block_tables[req], seq_len)
+        rows = _attend_one_request(query[start:start + query_len], key, value, scale)
+        out[start:start + query_len] = rows.to(out.dtype)
+    if parts.decode_reqs:
+        req_index = torch.tensor(parts.decode_reqs, device=query.device)
+        token_index = torch.tensor(parts.decode_tokens, device=query.device)
+        rows = _attend_decode_batch(
+            query.index_select(0, token_index), key_cache, value_cache,
+            attn.block_tables.index_select(0, req_index),
+            [attn.seq_lens_list[r] for r in parts.decode_reqs], scale)
+        out.index_copy_(0, token_index, rows.to(out.dtype))
+    return out
+
+
+@dataclass(frozen=True)
+class RequestParts:
+    """A mixed batch split for attention: prefill/chunk pieces one by one, decodes together."""
+
+    prefills: tuple[tuple[int, int, int, int], ...]   # (request, first token row, query_len, seq_len)
+    decode_reqs: tuple[int, ...]                      # requests with query length 1
+    decode_tokens: tuple[int, ...]                    # their token rows
+
+
+def split_requests(attn: AttentionMetadata) -> RequestParts:
+    """Shared by every CPU attention path (reference and fast) so both split a batch alike."""
+    prefills, decode_reqs, decode_tokens = [], [], []
     start = 0
     for req, (query_len, seq_len) in enumerate(zip(attn.query_lens_list, attn.seq_lens_list)):
         if query_len == 1:
             decode_reqs.append(req)
             decode_tokens.append(start)
         elif query_len > 1:
-            key = _gather_request_kv(key_cache, attn.block_tables[req], seq_len)
-            value = _gather_request_kv(value_cache, attn.block_tables[req], seq_len)
-            rows = _attend_one_request(query[start:start + query_len], key, value, scale)
-            out[start:start + query_len] = rows.to(out.dtype)
+            prefills.append((req, start, query_len, seq_len))
         start += query_len
-    if decode_reqs:
-        req_index = torch.tensor(decode_reqs, device=query.device)
-        token_index = torch.tensor(decode_tokens, device=query.device)
-        rows = _attend_decode_batch(
-            query.index_select(0, token_index), key_cache, value_cache,
-            attn.block_tables.index_select(0, req_index),
-            [attn.seq_lens_list[r] for r in decode_reqs], scale)
-        out.index_copy_(0, token_index, rows.to(out.dtype))
-    return out
+    return RequestParts(tuple(prefills), tuple(decode_reqs), tuple(decode_tokens))

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_metadata import AttentionMetadata
-from .attention_ref import _gather_request_kv
+from .attention_ref import _gather_request_kv, split_requests
 
 logger = logging.getLogger("vbatch.kernels")
 
@@ -179,22 +179,15 @@ def paged_attention(
             slots = decode_slots(attn.block_tables, attn.seq_lens, key_cache.shape[1])
         return _run_decode(query, key_cache, value_cache, slots, attn.seq_lens, scale)
     out = torch.empty_like(query)
-    decode_reqs: list[int] = []
-    decode_tokens: list[int] = []
-    start = 0
-    for req, (query_len, seq_len) in enumerate(zip(attn.query_lens_list, attn.seq_lens_list)):
-        if query_len == 1:
-            decode_reqs.append(req)
-            decode_tokens.append(start)
-        elif query_len > 1:
-            key = _gather_request_kv(key_cache, attn.block_tables[req], seq_len)
-            value = _gather_request_kv(value_cache, attn.block_tables[req], seq_len)
-            rows = _attend_prefill(query[start:start + query_len], key, value, scale)
-            out[start:start + query_len] = rows.to(out.dtype)
-        start += query_len
-    if decode_reqs:
-        req_index = torch.tensor(decode_reqs, device=query.device)
-        token_index = torch.tensor(decode_tokens, device=query.device)
+    parts = split_requests(attn)
+    for req, start, query_len, seq_len in parts.prefills:
+        key = _gather_request_kv(key_cache, attn.block_tables[req], seq_len)
+        value = _gather_request_kv(value_cache, attn.block_tables[req], seq_len)
+        rows = _attend_prefill(query[start:start + query_len], key, value, scale)
+        out[start:start + query_len] = rows.to(out.dtype)
+    if parts.decode_reqs:
+        req_index = torch.tensor(parts.decode_reqs, device=query.device)
+        token_index = torch.tensor(parts.decode_tokens, device=query.device)
         seq_lens = attn.seq_lens.index_select(0, req_index)
         slots = decode_slots(attn.block_tables.index_select(0, req_index), seq_lens, key_cache.shape[1])
         rows = _run_decode(query.index_select(0, token_index), key_cache, value_cache, slots, seq_lens, scale)
