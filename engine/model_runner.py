@@ -144,8 +144,11 @@ class ModelRunner:
             raise ConfigError("kv_cache_memory", f"leaves {num_blocks} KV blocks of {self.bytes_per_block()} bytes",
                               hint="raise --kv-cache-memory or lower --max-model-len")
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        # NOTE: empty, not zeros: zeroing touches every page (the 4 GiB CPU default became 4 GiB of
+        # RSS for any job). Every kernel reads only positions this step or earlier steps wrote, and
+        # the kernel tests fill unowned blocks with NaN to prove no garbage leaks into a result.
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
         self.cuda_graphs = capture_decode_graphs(self)  # None off CUDA
