@@ -94,11 +94,7 @@ def paged_attention(
     assert query.shape[1] % key_cache.shape[2] == 0, "num_q_heads must be a multiple of num_kv_heads"
     out = torch.empty_like(query)
     parts = split_requests(attn)
-    for req, start, query_len, seq_len in parts.prefills:
-        key = _gather_request_kv(key_cache, attn.block_tables[req], seq_len)
-        value = _gather_request_kv(value_cache, attn.block_tables[req], seq_len)
-        rows = _attend_one_request(query[start:start + query_len], key, value, scale)
-        out[start:start + query_len] = rows.to(out.dtype)
+    attend_prefills(query, key_cache, value_cache, attn, parts, scale, _attend_one_request, out)
     if parts.decode_reqs:
         req_index = torch.tensor(parts.decode_reqs, device=query.device)
         token_index = torch.tensor(parts.decode_tokens, device=query.device)
@@ -117,6 +113,16 @@ class RequestParts:
     prefills: tuple[tuple[int, int, int, int], ...]   # (request, first token row, query_len, seq_len)
     decode_reqs: tuple[int, ...]                      # requests with query length 1
     decode_tokens: tuple[int, ...]                    # their token rows
+
+
+def attend_prefills(query, key_cache, value_cache, attn: AttentionMetadata, parts: RequestParts, scale: float,
+                    attend, out: torch.Tensor) -> None:
+    """Prefill/chunk pieces one request at a time: gather its KV, `attend(q, k, v, scale)`, write rows."""
+    for req, start, query_len, seq_len in parts.prefills:
+        key = _gather_request_kv(key_cache, attn.block_tables[req], seq_len)
+        value = _gather_request_kv(value_cache, attn.block_tables[req], seq_len)
+        rows = attend(query[start:start + query_len], key, value, scale)
+        out[start:start + query_len] = rows.to(out.dtype)
 
 
 def split_requests(attn: AttentionMetadata) -> RequestParts:

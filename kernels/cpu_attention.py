@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_metadata import AttentionMetadata
-from .attention_ref import _gather_request_kv, split_requests
+from .attention_ref import attend_prefills, split_requests
 
 logger = logging.getLogger("vbatch.kernels")
 
@@ -180,11 +180,7 @@ def paged_attention(
         return _run_decode(query, key_cache, value_cache, slots, attn.seq_lens, scale)
     out = torch.empty_like(query)
     parts = split_requests(attn)
-    for req, start, query_len, seq_len in parts.prefills:
-        key = _gather_request_kv(key_cache, attn.block_tables[req], seq_len)
-        value = _gather_request_kv(value_cache, attn.block_tables[req], seq_len)
-        rows = _attend_prefill(query[start:start + query_len], key, value, scale)
-        out[start:start + query_len] = rows.to(out.dtype)
+    attend_prefills(query, key_cache, value_cache, attn, parts, scale, _attend_prefill, out)
     if parts.decode_reqs:
         req_index = torch.tensor(parts.decode_reqs, device=query.device)
         token_index = torch.tensor(parts.decode_tokens, device=query.device)
