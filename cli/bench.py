@@ -118,10 +118,12 @@ def throughput(
         raise ConfigError("--output-len", f"must be >= 1, got {output_len}")
     if num_iters < 1:
         raise ConfigError("--num-iters", f"must be >= 1, got {num_iters}")
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError("--threads", f"must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    if threads is not None and threads < 1:
+        raise ConfigError("--threads", f"must be >= 1, got {threads}")
+    if max_model_len is not None and max_model_len < lengths.high + output_len:
+        raise ConfigError("--max-model-len", f"{max_model_len} cannot hold the longest prompt plus --output-len "
+                          f"({lengths.high} + {output_len}); ignore_eos runs need the whole length",
+                          hint="raise --max-model-len or leave it unset")
     kwargs = engine_kwargs(dtype=dtype, max_model_len=max_model_len or lengths.high + output_len,
                            max_num_seqs=1 if latency else max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,

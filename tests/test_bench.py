@@ -159,6 +159,16 @@ def test_bench_bad_flag_is_usage_error():
     assert "--input-len" in result.output
 
 
+def test_bench_max_model_len_too_short_is_usage_error():
+    """Refused before any model load: an ignore_eos run must fit prompt + output."""
+    from vbatch.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "throughput", "--input-len", "100", "--output-len", "50",
+                                      "--max-model-len", "120"])
+    assert result.exit_code == 2
+    assert "--max-model-len" in result.output and "100 + 50" in result.output
+
+
 # ---------------------------------------------------------------- bench/peers_report.py (a script beside the package)
 def _peers_report():
     import importlib.util
