@@ -153,8 +153,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.cuda_graphs = capture_decode_graphs(self)  # None off CUDA
         ops = getattr(self.model, "ops", None)
-        if self.device.type == "cpu" and ops is not None and ops.name != "reference":
-            self._warm_up_decode()
+        if self.device.type == "cpu" and ops is not None and ops.name == "cpu-bf16":
+            self._warm_up_decode()  # inductor's decode attention; the native kernel needs no warm-up
         return num_blocks
 
     def _warm_up_decode(self) -> None:

@@ -59,16 +59,21 @@ REFERENCE_OPS = Ops(
 
 
 def _cpu_ops(dtype: torch.dtype) -> Ops:
-    """bf16 on a CPU with avx512_bf16: prepacked oneDNN GEMMs and the fused decode attention.
+    """bf16 on a CPU with avx512_bf16: prepacked oneDNN GEMMs and the native (C) paged attention,
+    or the inductor-compiled decode attention where no C compiler is at hand.
 
     fp32 keeps the references: its greedy tokens are tested identical to transformers'."""
-    from . import cpu_attention, cpu_linear, cpu_rotary
+    from . import cpu_attention, cpu_linear, cpu_native, cpu_rotary
     if not cpu_linear.can_pack(dtype):
         return REFERENCE_OPS
-    return dataclasses.replace(REFERENCE_OPS, name="cpu-bf16", paged_attention=cpu_attention.paged_attention,
-                               pack_linear=cpu_linear.pack_linear, apply_rotary=cpu_rotary.apply_rotary,
-                               prepare_rotary=cpu_rotary.prepare_rotary,
-                               prepare_attention=cpu_attention.prepare_attention)
+    ops = dataclasses.replace(REFERENCE_OPS, name="cpu-bf16", paged_attention=cpu_attention.paged_attention,
+                              pack_linear=cpu_linear.pack_linear, apply_rotary=cpu_rotary.apply_rotary,
+                              prepare_rotary=cpu_rotary.prepare_rotary,
+                              prepare_attention=cpu_attention.prepare_attention)
+    if cpu_native.load() is not None:  # the C kernel (no C compiler: the compiled torch path above)
+        ops = dataclasses.replace(ops, name="cpu-bf16-native", paged_attention=cpu_native.paged_attention,
+                                  prepare_attention=None)
+    return ops
 
 
 def get_ops(device: torch.device | str, dtype: torch.dtype | None = None) -> Ops:

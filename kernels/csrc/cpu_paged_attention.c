@@ -1,0 +1,359 @@
+/* Paged attention on CPU over a bf16 KV cache: every row of a flattened batch in one call.
+ *
+ * Specification and test oracle: kernels/attention_ref.py `paged_attention` (same contract).
+ * Python binding: kernels/cpu_native.py (built with the system C compiler, loaded with ctypes).
+ *
+ * Request r owns query rows [query_start[r], query_start[r+1]); row i of it sits at absolute
+ * position seq_lens[r] - query_len + i and attends to cache positions 0..that position, read
+ * through block_tables[r]. Decode (query length 1), prefill, prefill on a cached prefix and
+ * chunked prefill are all the same loop.
+ *
+ * NOTE: a work item is (request, a range of kv heads, up to ROWS_PER_ITEM query rows). Normally
+ * the range is every kv head, so a block's keys and values are read as the contiguous rows the
+ * cache stores ([block_size, kv_heads, head_dim]) instead of a 1/kv_heads slice of each row; the
+ * range is split per head only when there are too few requests to keep the threads busy. The G
+ * query heads that share a kv head are done together, so each key/value row is used G times.
+ * NOTE: one sweep over the request's blocks with an online softmax (running max, rescaled sums and
+ * accumulators, as in flash attention): each block's keys and values are read once, in place, in
+ * bf16, upcast in registers, while the next block is prefetched (the blocks of a request sit
+ * anywhere in the cache, so the hardware prefetcher cannot guess the jump).
+ * NOTE: q.k uses vdpbf16ps where the CPU has avx512_bf16 (bf16 pairs multiplied exactly, summed in
+ * fp32: the products the reference gets by upcasting both sides), fp32 FMAs otherwise.
+ * NOTE: exp is a polynomial (range reduction to [-0.5, 0.5] in base 2, degree-7 Taylor; relative
+ * error about 1e-7) so that it vectorises without -ffast-math (whose shared-library start-up code
+ * would flush denormals for the whole process on GCC < 13).
+ * NOTE: only positions below a request's length are read: unwritten cache slots (any bit
+ * pattern, NaN included) never reach the arithmetic.
+ */
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define ROWS_PER_ITEM 16
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK_SIZE 1024
+
+typedef uint16_t bf16;
+
+/* Vectors of 16 floats / 16 bf16 (GCC/Clang vector extensions: AVX-512 here, split into
+ * narrower registers by the compiler on CPUs without it). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+
+static inline v16f load_bf16x16(const bf16 *src) {
+#ifdef __AVX512F__
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
+#else
+    const v16h h = *(const v16h *)src;
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+#endif
+}
+
+static inline void store_bf16x16(bf16 *dst, v16f f) {  /* round to nearest even; NaN stays NaN */
+    v16u u = (v16u)f;
+    const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);  /* all-ones lanes where f is NaN */
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    u = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
+    *(v16h *)dst = __builtin_convertvector(u, v16h);
+}
+
+static inline float sum16(v16f v) {
+    v += __builtin_shuffle(v, (v16u){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (v16u){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+/* e^x for x <= 0 (softmax terms after the max is subtracted), 16 lanes. */
+static inline v16f exp16(v16f x) {
+    const v16i low = x < -87.0f;                            /* all-ones lanes below -87 */
+    x = (v16f)(((v16i)x & ~low) | ((v16i)((v16f){0} - 87.0f) & low));
+    const v16f t = x * 1.4426950408889634f;                 /* x / ln 2 */
+#ifdef __AVX512F__
+    const v16f n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    v16f n;
+    for (int j = 0; j < 16; ++j) n[j] = __builtin_rintf(t[j]);
+#endif
+    const v16f f = (t - n) * 0.6931471805599453f;           /* in [-ln2/2, ln2/2] */
+    v16f p = f * (1.0f / 5040.0f) + 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    return (v16f)((v16i)p + (__builtin_convertvector(n, v16i) << 23));
+}
+
+static inline float exp1(float x) { return exp16((v16f){0} + x)[0]; }
+
+typedef struct {
+    const bf16 *query;            /* [T, Hq, D] */
+    bf16 *out;                    /* [T, Hq, D] */
+    const bf16 *key_cache;        /* [num_blocks, block_size, Hk, D] */
+    const bf16 *value_cache;
+    const int32_t *block_tables;  /* [R, table_stride] */
+    int64_t table_stride;
+    const int32_t *query_start;   /* [R + 1] */
+    const int32_t *seq_lens;      /* [R] */
+    int num_q_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} Problem;
+
+typedef struct { int32_t req, head_begin, head_end, row_begin, row_end; } Item;
+
+/* Per-thread scratch for one item: running softmax state and accumulators of every head. */
+typedef struct {
+    float scores[MAX_GROUP * MAX_BLOCK_SIZE];  /* [G, block_size rounded up to 16] of the current block */
+    float *acc;                                /* [heads in item, G, D] */
+    float *mx, *sum;                           /* [heads in item, G] */
+} Scratch;
+
+#if defined(__AVX512BF16__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* scores[g][o] = q_g . k_o (scaled) for the n rows of one block and one kv head; returns nothing,
+ * the block maxima go to bmax[g]. */
+static inline __attribute__((always_inline)) void block_scores(
+        const bf16 *q /* [G, D] of this kv head */, float scale, const bf16 *krows, int64_t row_stride, int n,
+        float *scores, int score_stride, float *bmax, const int NV, const int G) {
+#if HAVE_DPBF16
+    if (NV % 2 == 0) {
+        /* bf16 pairs multiplied exactly and summed in fp32, keys not converted. 16 positions at a
+           time: their 16 partial-dot vectors are summed by one transposing tree (45 shuffles/adds
+           instead of 8 per score), leaving the 16 scores in one vector. */
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        for (int g = 0; g < G; ++g) {
+            __m512bh qb[MAX_HEAD_DIM / 32];
+            for (int c = 0; c < NV / 2; ++c) qb[c] = (__m512bh)_mm512_loadu_si512(q + g * NV * 16 + 32 * c);
+            for (int o0 = 0; o0 < n; o0 += 16) {
+                const int m = n - o0 < 16 ? n - o0 : 16;
+                __m512 quad[4];
+                for (int e = 0; e < 4; ++e) {
+                    __m512 pair[2];
+                    for (int f = 0; f < 2; ++f) {
+                        __m512 dot[2];
+                        for (int j = 0; j < 2; ++j) {
+                            const int o = o0 + 4 * e + 2 * f + j;
+                            dot[j] = _mm512_setzero_ps();
+                            if (o - o0 < m)
+                                for (int c = 0; c < NV / 2; ++c)
+                                    dot[j] = _mm512_dpbf16_ps(dot[j], qb[c],
+                                        (__m512bh)_mm512_loadu_si512(krows + o * row_stride + 32 * c));
+                        }
+                        pair[f] = _mm512_add_ps(_mm512_shuffle_f32x4(dot[0], dot[1], 0x44),
+                                                _mm512_shuffle_f32x4(dot[0], dot[1], 0xEE));
+                    }
+                    quad[e] = _mm512_add_ps(_mm512_shuffle_f32x4(pair[0], pair[1], 0x88),
+                                            _mm512_shuffle_f32x4(pair[0], pair[1], 0xDD));
+                }
+                __m512 half[2];
+                for (int f = 0; f < 2; ++f) {
+                    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(quad[2 * f], quad[2 * f + 1], 0x44),
+                                                   _mm512_shuffle_ps(quad[2 * f], quad[2 * f + 1], 0xEE));
+                    half[f] = x;
+                }
+                __m512 all = _mm512_add_ps(_mm512_shuffle_ps(half[0], half[1], 0x88),
+                                           _mm512_shuffle_ps(half[0], half[1], 0xDD));
+                /* lane 4k+e holds position 4e+k: put position i in lane i */
+                all = _mm512_mul_ps(_mm512_permutexvar_ps(order, all), _mm512_set1_ps(scale));
+                _mm512_store_ps(scores + g * score_stride + o0, all);
+                const float top = _mm512_mask_reduce_max_ps((__mmask16)((1u << m) - 1u), all);
+                bmax[g] = top > bmax[g] ? top : bmax[g];
+            }
+        }
+        return;
+    }
+#endif
+    v16f qf[MAX_GROUP][MAX_HEAD_DIM / 16];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NV; ++c) qf[g][c] = load_bf16x16(q + g * NV * 16 + 16 * c) * scale;
+    for (int o = 0; o < n; ++o) {
+        v16f k[MAX_HEAD_DIM / 16];
+        for (int c = 0; c < NV; ++c) k[c] = load_bf16x16(krows + o * row_stride + 16 * c);
+        for (int g = 0; g < G; ++g) {
+            v16f dot = qf[g][0] * k[0];
+            for (int c = 1; c < NV; ++c) dot += qf[g][c] * k[c];
+            const float s = sum16(dot);
+            scores[g * score_stride + o] = s;
+            bmax[g] = s > bmax[g] ? s : bmax[g];
+        }
+    }
+}
+
+/* One work item. NV (= head_dim / 16) and G are compile-time constants in the specialised copies
+ * below, so the query and accumulator vectors of one kv head live in registers. */
+static inline __attribute__((always_inline)) void attend_item(
+        const Problem *p, const Item *it, Scratch *sc, const int NV, const int G) {
+    const int D = NV * 16, Hk = p->num_kv_heads, Hq = p->num_q_heads, BS = p->block_size;
+    const int64_t row_stride = (int64_t)Hk * D, block_stride = (int64_t)BS * row_stride;
+    const int32_t *table = p->block_tables + (int64_t)it->req * p->table_stride;
+    const int q_begin = p->query_start[it->req];
+    const int q_len = p->query_start[it->req + 1] - q_begin;
+    const int first_pos = p->seq_lens[it->req] - q_len;  /* absolute position of the request's row 0 */
+    const int h0 = it->head_begin, nh = it->head_end - it->head_begin;
+    const int SS = (BS + 15) / 16 * 16;                    /* score row stride: whole aligned vectors */
+
+    for (int i = it->row_begin; i < it->row_end; ++i) {
+        const int64_t t = q_begin + i;
+        const int len = first_pos + i + 1;  /* keys 0 .. first_pos + i */
+        const bf16 *qrow = p->query + t * Hq * D;
+        for (int j = 0; j < nh * G; ++j) { sc->mx[j] = -FLT_MAX; sc->sum[j] = 0.0f; }
+        memset(sc->acc, 0, sizeof(float) * (size_t)nh * G * D);
+
+        for (int s0 = 0; s0 < len; s0 += BS) {
+            const int n = len - s0 < BS ? len - s0 : BS;
+            const int64_t block = table[s0 / BS];
+            /* the next block (keys and values) is prefetched row by row while this one is used */
+            const int64_t next = s0 + BS < len ? (int64_t)table[s0 / BS + 1] * block_stride : -1;
+            const int n_next = next < 0 ? 0 : (len - s0 - BS < BS ? len - s0 - BS : BS);
+            for (int h = h0; h < h0 + nh; ++h) {
+                const int64_t base = block * block_stride + (int64_t)h * D;
+                float *mx = sc->mx + (h - h0) * G, *sum = sc->sum + (h - h0) * G;
+                float *acc = sc->acc + (int64_t)(h - h0) * G * D;
+                float bmax[MAX_GROUP];
+                for (int g = 0; g < G; ++g) bmax[g] = mx[g];
+                block_scores(qrow + (int64_t)h * G * D, p->scale, p->key_cache + base, row_stride, n,
+                             sc->scores, SS, bmax, NV, G);
+                /* online softmax: rescale what was accumulated under the old max */
+                v16f a[MAX_GROUP][MAX_HEAD_DIM / 16];
+                for (int g = 0; g < G; ++g) {
+                    const float alpha = exp1(mx[g] - bmax[g]);
+                    mx[g] = bmax[g];
+                    float *sg = sc->scores + g * SS, bsum = 0.0f;
+                    for (int o = 0; o < n; o += 16) {
+                        v16f e = exp16(*(v16f *)(sg + o) - bmax[g]);
+                        const int left = n - o;
+                        if (left < 16)
+                            for (int j = left; j < 16; ++j) e[j] = 0.0f;
+                        *(v16f *)(sg + o) = e;
+                        bsum += sum16(e);
+                    }
+                    sum[g] = sum[g] * alpha + bsum;
+                    for (int c = 0; c < NV; ++c) a[g][c] = *(v16f *)(acc + g * D + 16 * c) * alpha;
+                }
+                const bf16 *vrows = p->value_cache + base;
+                for (int o = 0; o < n; ++o) {
+                    if (o < n_next) {
+                        const int64_t at = next + o * row_stride + (int64_t)h * D;
+                        for (int b = 0; b < D * 2; b += 64) {
+                            __builtin_prefetch((const char *)(p->key_cache + at) + b, 0, 3);
+                            __builtin_prefetch((const char *)(p->value_cache + at) + b, 0, 3);
+                        }
+                    }
+                    v16f v[MAX_HEAD_DIM / 16];
+                    for (int c = 0; c < NV; ++c) v[c] = load_bf16x16(vrows + o * row_stride + 16 * c);
+                    for (int g = 0; g < G; ++g) {
+                        const float w = sc->scores[g * SS + o];
+                        for (int c = 0; c < NV; ++c) a[g][c] += w * v[c];
+                    }
+                }
+                for (int g = 0; g < G; ++g)
+                    for (int c = 0; c < NV; ++c) *(v16f *)(acc + g * D + 16 * c) = a[g][c];
+            }
+        }
+        for (int h = h0; h < h0 + nh; ++h)
+            for (int g = 0; g < G; ++g) {
+                const float inv = 1.0f / sc->sum[(h - h0) * G + g];
+                const float *acc = sc->acc + ((int64_t)(h - h0) * G + g) * D;
+                bf16 *os = p->out + (t * Hq + (int64_t)h * G + g) * D;
+                for (int c = 0; c < NV; ++c) store_bf16x16(os + 16 * c, *(const v16f *)(acc + 16 * c) * inv);
+            }
+    }
+}
+
+#define SPECIALISE(DIM, GROUP) \
+    static void attend_##DIM##_##GROUP(const Problem *p, const Item *it, Scratch *sc) { \
+        attend_item(p, it, sc, DIM / 16, GROUP); }
+#define SPECIALISE_GROUPS(DIM) SPECIALISE(DIM, 1) SPECIALISE(DIM, 2) SPECIALISE(DIM, 3) SPECIALISE(DIM, 4) \
+    SPECIALISE(DIM, 5) SPECIALISE(DIM, 6) SPECIALISE(DIM, 7) SPECIALISE(DIM, 8)
+SPECIALISE_GROUPS(64)
+SPECIALISE_GROUPS(128)
+
+static void attend_generic(const Problem *p, const Item *it, Scratch *sc) {
+    attend_item(p, it, sc, p->head_dim / 16, p->num_q_heads / p->num_kv_heads);
+}
+
+typedef void (*AttendFn)(const Problem *, const Item *, Scratch *);
+
+static AttendFn pick(int head_dim, int group) {
+    static const AttendFn by64[8] = {attend_64_1, attend_64_2, attend_64_3, attend_64_4,
+                                     attend_64_5, attend_64_6, attend_64_7, attend_64_8};
+    static const AttendFn by128[8] = {attend_128_1, attend_128_2, attend_128_3, attend_128_4,
+                                      attend_128_5, attend_128_6, attend_128_7, attend_128_8};
+    if (group >= 1 && group <= 8 && head_dim == 64) return by64[group - 1];
+    if (group >= 1 && group <= 8 && head_dim == 128) return by128[group - 1];
+    return attend_generic;
+}
+
+/* Returns 0, or: 1 unsupported shape (head_dim not a multiple of 16 or above 256, more than 16
+ * query heads per kv head, block size above 1024), 2 out of memory. */
+int vb_paged_attention_bf16(
+        const bf16 *query, bf16 *out, const bf16 *key_cache, const bf16 *value_cache,
+        const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
+        const int32_t *seq_lens, int num_reqs, int num_q_heads, int num_kv_heads, int head_dim,
+        int block_size, float scale, int num_threads) {
+    const int group = num_q_heads / num_kv_heads;
+    if (head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_q_heads
+        || block_size > MAX_BLOCK_SIZE)
+        return 1;
+    int64_t row_chunks = 0;
+    for (int r = 0; r < num_reqs; ++r)
+        row_chunks += (query_start[r + 1] - query_start[r] + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    /* all kv heads per item unless that leaves threads idle */
+    const int heads_per_item = row_chunks >= 2 * (int64_t)num_threads ? num_kv_heads : 1;
+    const int head_splits = num_kv_heads / heads_per_item;
+    const int64_t num_items = row_chunks * head_splits;
+    Item *items = malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
+    if (!items) return 2;
+    int64_t k = 0;
+    for (int r = 0; r < num_reqs; ++r) {
+        const int q_len = query_start[r + 1] - query_start[r];
+        for (int b = 0; b < q_len; b += ROWS_PER_ITEM)
+            for (int h = 0; h < num_kv_heads; h += heads_per_item) {
+                items[k].req = r;
+                items[k].head_begin = h;
+                items[k].head_end = h + heads_per_item;
+                items[k].row_begin = b;
+                items[k].row_end = b + ROWS_PER_ITEM < q_len ? b + ROWS_PER_ITEM : q_len;
+                ++k;
+            }
+    }
+    const Problem problem = {query, out, key_cache, value_cache, block_tables, table_stride, query_start,
+                             seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, scale};
+    const AttendFn fn = pick(head_dim, group);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
+    {
+        const size_t state_bytes = (sizeof(float) * (size_t)heads_per_item * group * (head_dim + 2) + 63) / 64 * 64;
+        Scratch *sc = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+        float *state = sc ? aligned_alloc(64, state_bytes) : NULL;
+        if (state) {
+            sc->acc = state;
+            sc->mx = state + (size_t)heads_per_item * group * head_dim;
+            sc->sum = sc->mx + (size_t)heads_per_item * group;
+        } else {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; ++i)
+            if (state) fn(&problem, &items[i], sc);
+        free(state);
+        free(sc);
+    }
+    free(items);
+    return failed;
+}

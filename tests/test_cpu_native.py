@@ -1,0 +1,107 @@
+"""The native C paged attention (kernels/csrc/cpu_paged_attention.c via kernels/cpu_native.py).
+
+Oracle: the reference `attention_ref.paged_attention` (itself tested against an fp64 softmax in
+test_kernels_reference.py) on the same bf16 caches. Tolerance 2e-2 as for the other CPU paths:
+outputs are O(1) and rounded to bf16 once; the kernel's q.k sums bf16 products in fp32 and its
+softmax is online (rescaled per block), the reference's is fp32 SDPA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_cpu_kernels import CASES, _random_step
+from vbatch.kernels import attention_ref, cpu_native
+
+native = cpu_native.load()
+pytestmark = pytest.mark.skipif(native is None, reason="no C compiler: the native kernels were not built")
+
+CASES = {**CASES,
+         "long_prefill_on_prefix": ([37], [40], 16),      # several 16-row items over many blocks
+         "block_size_not_multiple_of_16": ([29, 3], [1, 20], 24),
+         "many_decodes": ([int(x) for x in torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(1))],
+                          [1] * 40, 16)}
+# (head_dim, query heads per kv head): the specialised copies (64/128 x 1-8), the generic one
+# (96, 12 > 8) and, for head_dim / 16 odd, the fp32 q.k path instead of vdpbf16ps.
+SHAPES = [(64, 3), (64, 7), (128, 2), (32, 1), (96, 12), (48, 3), (16, 2)]
+
+
+def _max_error(case, head_dim, group, threads=2, kv_heads=2):
+    context_lens, query_lens, block_size = CASES[case]
+    query, key_cache, value_cache, attn, _ = _random_step(context_lens, query_lens, block_size,
+                                                          num_kv_heads=kv_heads, group=group, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
+    got = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, threads)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    return (got.float() - want.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_attention_matches_reference(case):
+    assert _max_error(case, 64, 3) < 2e-2
+
+
+@pytest.mark.parametrize("head_dim,group", SHAPES)
+def test_native_attention_every_specialisation(head_dim, group):
+    for case in ("decode_ragged", "mixed_prefill_and_decode", "long_prefill_on_prefix"):
+        assert _max_error(case, head_dim, group) < 2e-2, case
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_attention_same_rows_whatever_the_thread_count(threads):
+    # The work split changes with the thread count (per kv head when there are few requests);
+    # every row is computed by one thread in a fixed order, so the results are bit-identical.
+    query, key_cache, value_cache, attn, scale = _random_step([5, 40, 0], [1, 1, 9], 16, num_kv_heads=3,
+                                                              group=3, head_dim=64)
+    one = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 1)
+    many = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, threads)
+    assert torch.equal(one, many)
+
+
+def test_native_attention_never_reads_unowned_slots():
+    # Slots past each request's length and blocks no request owns may hold anything (the cache is
+    # allocated with torch.empty): NaN there must not reach the output.
+    query, key_cache, value_cache, attn, scale = _random_step([2, 13, 30], [1, 1, 5], 8, head_dim=64)
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
+    block_size = key_cache.shape[1]
+    for r, n in enumerate(attn.seq_lens_list):
+        table = attn.block_tables[r]
+        last = int(table[(n - 1) // block_size])
+        key_cache[last, (n - 1) % block_size + 1:] = float("nan")     # tail of the last block
+        value_cache[last, (n - 1) % block_size + 1:] = float("inf")
+    owned = {int(b) for r, n in enumerate(attn.seq_lens_list) for b in attn.block_tables[r, :-(-n // block_size)]}
+    for b in set(range(key_cache.shape[0])) - owned:
+        key_cache[b], value_cache[b] = float("nan"), float("nan")
+    got = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 2)
+    assert torch.isfinite(got.float()).all()
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
+def test_native_attention_long_context_softmax_is_stable():
+    # Large logits (scores ~ +-60) over 2,000 positions: the online softmax must rescale exactly.
+    torch.manual_seed(0)
+    query, key_cache, value_cache, attn, _ = _random_step([1999], [1], 16, head_dim=64)
+    query = (query.float() * 8).to(torch.bfloat16)
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, 1.0)
+    got = native.paged_attention_bf16(query, key_cache, value_cache, attn, 1.0, 2)
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
+def test_unsupported_shape_is_a_typed_error_and_the_op_falls_back():
+    query, key_cache, value_cache, attn, scale = _random_step([3, 9], [1, 1], 8, head_dim=72)  # 72 % 16 != 0
+    with pytest.raises(cpu_native.NativeKernelError, match="head_dim"):
+        native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 1)
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
+    got = cpu_native.paged_attention(query, key_cache, value_cache, attn, scale)  # the bound op
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
+def test_build_is_cached_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("VBATCH_CACHE", str(tmp_path))
+    first = cpu_native.build()
+    assert first.is_file() and first.is_relative_to(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cpu_native.build() == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    with pytest.raises(FileNotFoundError):
+        cpu_native.build(compiler=str(tmp_path / "no-such-cc"))
