@@ -29,7 +29,8 @@ from .attention_metadata import AttentionMetadata
 
 logger = logging.getLogger("vbatch.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_attention.c"
+SOURCES = (Path(__file__).with_name("csrc") / "cpu_paged_attention.c",
+           Path(__file__).with_name("csrc") / "cpu_linear_small.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          "-std=gnu11", "-ffp-contract=fast", "-Wall")
 _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, more than 16 query heads per kv head, "
@@ -61,7 +62,8 @@ def build(compiler: str | None = None) -> Path:
     if not cc:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_flags()]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "libvbatch_cpu.so"
     if target.exists():
         return target
@@ -69,9 +71,9 @@ def build(compiler: str | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} failed to build {', '.join(s.name for s in SOURCES)}:\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -108,12 +110,29 @@ class NativeKernels:
             raise NativeKernelError(f"native paged attention: {_ERRORS.get(rc, f'error {rc}')}")
         return out
 
+    def linear_small_bf16(
+        self,
+        rows: torch.Tensor,         # [M, in] bf16, M <= 8 (cpu_linear_small.c's MAX_ROWS)
+        weight: torch.Tensor,       # [out, in] bf16, contiguous
+        bias: torch.Tensor | None,  # [out] bf16
+        num_threads: int,
+    ) -> torch.Tensor | None:       # [M, out] bf16; None: no such kernel in this build / M > 8
+        rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype)
+        rc = self.library.vb_linear_small_bf16(
+            rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+            rows.shape[0], weight.shape[0], weight.shape[1], num_threads)
+        return out if rc == 0 else None
+
 
 def _bind(path: Path) -> NativeKernels:
     lib = ctypes.CDLL(str(path))
     fn = lib.vb_paged_attention_bf16
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.restype = ctypes.c_int
+    fn = lib.vb_linear_small_bf16
+    fn.argtypes = [p, p, p, p, i32, i32, i32, i32]
     fn.restype = ctypes.c_int
     return NativeKernels(lib, path)
 

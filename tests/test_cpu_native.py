@@ -105,3 +105,28 @@ def test_build_is_cached_and_a_missing_compiler_is_reported(tmp_path, monkeypatc
     assert cpu_native.build() == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
     with pytest.raises(FileNotFoundError):
         cpu_native.build(compiler=str(tmp_path / "no-such-cc"))
+
+
+@pytest.mark.parametrize("in_features", [576, 80, 1000, 32])     # whole 32-chunks, masked tails, one chunk
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_small_linear_matches_exact_product(rows, in_features):
+    # Oracle: the fp64 product of the same bf16 tensors; the kernel sums bf16 products in fp32 and
+    # rounds once, so it is within one bf16 rounding (2^-8 of the row's largest output) of it.
+    torch.manual_seed(rows * 7 + in_features)
+    out_features = 200 if in_features != 576 else 960      # 200: a partial last tile of 16 outputs
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    for b in (None, bias):
+        got = native.linear_small_bf16(x, weight, b, 2)
+        if got is None:
+            pytest.skip("this CPU has no avx512_bf16: the small-rows kernel is not built")
+        exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        tol = exact.abs().amax(-1, keepdim=True) * 2 ** -8
+        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+        assert ((got.double() - exact).abs() <= tol).all()
+
+
+def test_small_linear_refuses_more_than_eight_rows():
+    x, weight = torch.zeros(9, 64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert native.linear_small_bf16(x, weight, None, 1) is None
