@@ -1,7 +1,9 @@
 """Native CPU kernels: C sources in kernels/csrc, compiled once per machine, called through ctypes.
 
     load() -> NativeKernels | None   (None: no C compiler, a failed build, or VBATCH_CPU_NATIVE=0)
-    NativeKernels.paged_attention_bf16(query, key_cache, value_cache, attn, scale, num_threads) -> out
+    NativeKernels.<kernel>_bf16(...)  raw bindings, one per C entry point (shapes checked by callers)
+
+The ops built on them, with the references' signatures, are in kernels/cpu_native_ops.py.
 
 NOTE: why C and ctypes rather than a torch extension: the kernel needs no torch headers (it takes
 raw pointers), so one `cc` call builds it in about a second instead of a minute, and the library
@@ -29,8 +31,9 @@ from .attention_metadata import AttentionMetadata
 
 logger = logging.getLogger("vbatch.kernels")
 
-SOURCES = (Path(__file__).with_name("csrc") / "cpu_paged_attention.c",
-           Path(__file__).with_name("csrc") / "cpu_linear_small.c")
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c")
+HEADERS = (CSRC / "vb_simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          "-std=gnu11", "-ffp-contract=fast", "-Wall")
 _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, more than 16 query heads per kv head, "
@@ -62,7 +65,7 @@ def build(compiler: str | None = None) -> Path:
     if not cc:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_flags()]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "libvbatch_cpu.so"
     if target.exists():
@@ -71,7 +74,8 @@ def build(compiler: str | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, f"-I{CSRC}", *map(str, SOURCES), "-o", tmp], capture_output=True,
+                              text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to build {', '.join(s.name for s in SOURCES)}:\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)
@@ -95,15 +99,16 @@ class NativeKernels:
         scale: float,
         num_threads: int,
     ) -> torch.Tensor:              # [num_tokens, num_q_heads, head_dim] bf16
-        query = query.contiguous()
-        out = torch.empty_like(query)
+        if query.stride(2) != 1 or query.stride(1) != query.shape[2]:  # rows may be apart (a qkv view)
+            query = query.contiguous()
+        out = torch.empty(query.shape, dtype=query.dtype)
         tables = attn.block_tables.contiguous()
         start, lens = attn.query_start_loc.contiguous(), attn.seq_lens.contiguous()
         assert tables.dtype == start.dtype == lens.dtype == torch.int32
         assert key_cache.is_contiguous() and value_cache.is_contiguous()
         _, block_size, num_kv_heads, head_dim = key_cache.shape
         rc = self.library.vb_paged_attention_bf16(
-            query.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            query.data_ptr(), query.stride(0), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             tables.data_ptr(), tables.stride(0), start.data_ptr(), lens.data_ptr(), attn.num_reqs,
             query.shape[1], num_kv_heads, head_dim, block_size, scale, num_threads)
         if rc != 0:
@@ -124,16 +129,56 @@ class NativeKernels:
             rows.shape[0], weight.shape[0], weight.shape[1], num_threads)
         return out if rc == 0 else None
 
+    def rms_norm_bf16(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      num_threads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x, residual: [..., hidden] bf16 contiguous; weight [hidden] bf16 -> (normed, x + residual)."""
+        out = torch.empty_like(x)
+        new_residual = None if residual is None else torch.empty_like(x)
+        self.library.vb_rms_norm_bf16(
+            x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
+            out.data_ptr(), None if new_residual is None else new_residual.data_ptr(),
+            x.numel() // x.shape[-1], x.shape[-1], num_threads)
+        return out, new_residual
+
+    def silu_and_mul_bf16(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """x: [..., 2d] bf16 contiguous (gate | up) -> [..., d]."""
+        d = x.shape[-1] // 2
+        out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+        self.library.vb_silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d, num_threads)
+        return out
+
+    def rotary_bf16_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                     num_threads: int) -> None:
+        """In place. query [T, Hq, D], key [T, Hk, D] bf16 with unit head and element strides (rows
+        may be apart: views of the fused qkv output); cos, signed_sin [T, D] bf16 contiguous."""
+        self.library.vb_rotary_bf16(query.data_ptr(), query.stride(0), query.shape[1], key.data_ptr(), key.stride(0),
+                                    key.shape[1], cos.data_ptr(), signed_sin.data_ptr(), query.shape[0],
+                                    query.shape[2], num_threads)
+
+    def write_kv_bf16(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """key, value [T, Hk, D] bf16 (rows may be apart); caches contiguous; slots [T] int64 contiguous."""
+        self.library.vb_write_kv_bf16(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                      key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
+                                      key.shape[0], key.shape[1] * key.shape[2])
+
 
 def _bind(path: Path) -> NativeKernels:
     lib = ctypes.CDLL(str(path))
     fn = lib.vb_paged_attention_bf16
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.argtypes = [p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = ctypes.c_int
     fn = lib.vb_linear_small_bf16
     fn.argtypes = [p, p, p, p, i32, i32, i32, i32]
     fn.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    for name, argtypes in (("vb_rms_norm_bf16", [p, p, p, f32, p, p, i64, i32, i32]),
+                           ("vb_silu_and_mul_bf16", [p, p, i64, i32, i32]),
+                           ("vb_rotary_bf16", [p, i64, i32, p, i64, i32, p, p, i64, i32, i32]),
+                           ("vb_write_kv_bf16", [p, i64, p, i64, p, p, p, i64, i32])):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
     return NativeKernels(lib, path)
 
 
@@ -152,33 +197,3 @@ def load() -> NativeKernels | None:
                 logger.warning("native CPU kernels unavailable (%s); using the compiled torch path", e)
     return _loaded
 
-
-def paged_attention(
-    query: torch.Tensor,        # [num_tokens, num_q_heads, head_dim] bf16
-    key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim] bf16
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16
-    attn: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:              # [num_tokens, num_q_heads, head_dim] bf16
-    """`attention_ref.paged_attention`'s contract through the C kernel: decode and prefill rows of
-    the whole step in one call, on torch's thread count. Bound by kernels/ops.py only after
-    `load()` succeeded; shapes the kernel was not built for take the compiled torch path."""
-    from . import cpu_attention
-    kernels = load()
-    if kernels is not None:
-        try:
-            return kernels.paged_attention_bf16(query, key_cache, value_cache, attn, scale,
-                                                torch.get_num_threads())
-        except NativeKernelError as e:
-            _warn_once(str(e))
-    return cpu_attention.paged_attention(query, key_cache, value_cache, cpu_attention.prepare_attention(attn),
-                                         scale)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning("%s; using the compiled torch path", message)

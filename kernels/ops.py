@@ -70,9 +70,12 @@ def _cpu_ops(dtype: torch.dtype) -> Ops:
                               pack_linear=cpu_linear.pack_linear, apply_rotary=cpu_rotary.apply_rotary,
                               prepare_rotary=cpu_rotary.prepare_rotary,
                               prepare_attention=cpu_attention.prepare_attention)
-    if cpu_native.load() is not None:  # the C kernel (no C compiler: the compiled torch path above)
-        ops = dataclasses.replace(ops, name="cpu-bf16-native", paged_attention=cpu_native.paged_attention,
-                                  prepare_attention=None)
+    if cpu_native.load() is not None:  # the C kernels (no C compiler: the torch paths above)
+        from . import cpu_native_ops as n
+        ops = dataclasses.replace(ops, name="cpu-bf16-native", paged_attention=n.paged_attention,
+                                  prepare_attention=None, rms_norm=n.rms_norm,
+                                  fused_add_rms_norm=n.fused_add_rms_norm, silu_and_mul=n.silu_and_mul,
+                                  apply_rotary=n.apply_rotary, write_kv_cache=n.write_kv_cache)
     return ops
 
 

@@ -57,8 +57,8 @@ def test_get_ops_binds_fast_cpu_paths_only_for_bf16():
     assert get_ops("cpu", torch.float32) is REFERENCE_OPS
     bf16_ops = get_ops("cpu", torch.bfloat16)
     if cpu_linear.can_pack(torch.bfloat16):
-        from vbatch.kernels import cpu_native
-        want = cpu_native.paged_attention if cpu_native.load() else cpu_attention.paged_attention
+        from vbatch.kernels import cpu_native, cpu_native_ops
+        want = cpu_native_ops.paged_attention if cpu_native.load() else cpu_attention.paged_attention
         assert bf16_ops.paged_attention is want
         assert bf16_ops.pack_linear is cpu_linear.pack_linear
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_cpu_kernels import CASES, _random_step
-from vbatch.kernels import attention_ref, cpu_native
+from vbatch.kernels import attention_ref, cpu_native, cpu_native_ops, cpu_rotary
 
 native = cpu_native.load()
 pytestmark = pytest.mark.skipif(native is None, reason="no C compiler: the native kernels were not built")
@@ -93,7 +93,7 @@ def test_unsupported_shape_is_a_typed_error_and_the_op_falls_back():
     with pytest.raises(cpu_native.NativeKernelError, match="head_dim"):
         native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 1)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
-    got = cpu_native.paged_attention(query, key_cache, value_cache, attn, scale)  # the bound op
+    got = cpu_native_ops.paged_attention(query, key_cache, value_cache, attn, scale)  # the bound op
     assert (got.float() - want.float()).abs().max().item() < 2e-2
 
 
@@ -130,3 +130,83 @@ def test_small_linear_matches_exact_product(rows, in_features):
 def test_small_linear_refuses_more_than_eight_rows():
     x, weight = torch.zeros(9, 64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16)
     assert native.linear_small_bf16(x, weight, None, 1) is None
+
+
+# --- the fused per-token ops (kernels/csrc/cpu_elementwise.c) against their references -----------
+
+def _ulp_close(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 0.01) -> None:
+    # Same roundings at the same places as the reference; only sums taken in another order may
+    # move a result by one bf16 step, on a small share of elements.
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    diff = (got.float() - want.float()).abs()
+    one_step = want.float().abs().clamp_min(1e-30) * 2 ** -7
+    assert (diff <= one_step).all()
+    assert (diff > 0).float().mean().item() <= max_mismatch
+
+
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: a tail of 4 after whole vectors
+@pytest.mark.parametrize("rows", [1, 300])      # 300 x 576: above the threading threshold
+def test_native_rms_norms_match_reference(rows, hidden):
+    from vbatch.kernels import norm_ref
+    torch.manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden) * 3).to(torch.bfloat16)
+    residual = torch.randn(rows, hidden).to(torch.bfloat16)
+    weight = (torch.rand(hidden) + 0.5).to(torch.bfloat16)
+    _ulp_close(cpu_native_ops.rms_norm(x, weight, 1e-5), norm_ref.rms_norm(x, weight, 1e-5))
+    got, got_res = cpu_native_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    want, want_res = norm_ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(got_res, want_res)  # one rounded add: exact
+    _ulp_close(got, want)
+
+
+@pytest.mark.parametrize("d", [1536, 40])
+def test_native_silu_and_mul_matches_reference(d):
+    from vbatch.kernels import activation_ref
+    torch.manual_seed(d)
+    x = (torch.randn(64, 2 * d) * 4).to(torch.bfloat16)
+    _ulp_close(cpu_native_ops.silu_and_mul(x), activation_ref.silu_and_mul(x))
+
+
+def test_native_rotary_matches_reference_on_qkv_views():
+    from vbatch.kernels import rotary_ref
+    torch.manual_seed(0)
+    cache = rotary_ref.build_rope_cache(64, 2048, 10000.0, None)
+    positions = torch.randint(0, 2048, (37,))
+    qkv = torch.randn(37, (9 + 3 + 3) * 64).to(torch.bfloat16)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(37, 9, 64), k.view(37, 3, 64)
+    want_q, want_k = rotary_ref.apply_rotary(positions, q.clone(), k.clone(), cache)
+    tables = cpu_rotary.prepare_rotary(positions, cache, torch.bfloat16)
+    got_q, got_k = cpu_native_ops.apply_rotary(positions, q, k, tables)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)  # same products, same roundings
+    assert got_q.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
+
+
+def test_native_kv_write_matches_reference():
+    from vbatch.kernels import cache_ref
+    torch.manual_seed(0)
+    kv = torch.randn(5, 2 * 3 * 64).to(torch.bfloat16)
+    k, v = (t.view(5, 3, 64) for t in kv.split([192, 192], dim=-1))
+    slots = torch.tensor([17, 3, 40, 41, 0])
+    want_k, want_v = torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    cache_ref.write_kv_cache(k, v, want_k, want_v, slots)
+    cpu_native_ops.write_kv_cache(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_native_ops_fall_back_for_inputs_they_do_not_take():
+    from vbatch.kernels import activation_ref, norm_ref
+    x = torch.randn(3, 64)  # fp32: the references run
+    w = torch.ones(64)
+    assert torch.equal(cpu_native_ops.rms_norm(x, w, 1e-6), norm_ref.rms_norm(x, w, 1e-6))
+    assert torch.equal(cpu_native_ops.silu_and_mul(x), activation_ref.silu_and_mul(x))
+
+
+def test_native_attention_reads_query_rows_in_place_from_a_qkv_view():
+    query, key_cache, value_cache, attn, scale = _random_step([5, 0, 30], [1, 7, 1], 16, head_dim=64)
+    qkv = torch.cat([query.flatten(1), torch.randn(query.shape[0], 2 * 2 * 64).to(torch.bfloat16)], dim=1)
+    view = qkv[:, :query.shape[1] * 64].view(query.shape)      # rows (15 * 64) elements apart
+    assert not view.is_contiguous()
+    want = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 2)
+    assert torch.equal(native.paged_attention_bf16(view, key_cache, value_cache, attn, scale, 2), want)

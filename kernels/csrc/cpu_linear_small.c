@@ -11,47 +11,11 @@
  * transposing tree. Without avx512_bf16 the library is built without this kernel and the caller
  * keeps oneDNN (vb_linear_small_bf16 returns 1).
  */
-#include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
-typedef uint16_t bf16;
+#include "vb_simd.h"
 
 #if defined(__AVX512BF16__)
-
-/* 16 vectors -> one vector of their 16 sums (lane i = sum of d[i]). */
-static inline __m512 sum16x16(const __m512 d[16]) {
-    __m512 quad[4];
-    for (int e = 0; e < 4; ++e) {
-        __m512 pair[2];
-        for (int f = 0; f < 2; ++f) {
-            const __m512 a = d[4 * e + 2 * f], b = d[4 * e + 2 * f + 1];
-            pair[f] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-        }
-        quad[e] = _mm512_add_ps(_mm512_shuffle_f32x4(pair[0], pair[1], 0x88),
-                                _mm512_shuffle_f32x4(pair[0], pair[1], 0xDD));
-    }
-    __m512 half[2];
-    for (int f = 0; f < 2; ++f)
-        half[f] = _mm512_add_ps(_mm512_shuffle_ps(quad[2 * f], quad[2 * f + 1], 0x44),
-                                _mm512_shuffle_ps(quad[2 * f], quad[2 * f + 1], 0xEE));
-    const __m512 all = _mm512_add_ps(_mm512_shuffle_ps(half[0], half[1], 0x88),
-                                     _mm512_shuffle_ps(half[0], half[1], 0xDD));
-    /* lane 4k+e holds d[4e+k] */
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), all);
-}
-
-static inline __m256i round_to_bf16(__m512 f) {  /* round to nearest even; NaN stays NaN */
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
-}
 
 #define MAX_ROWS 8
 
@@ -93,7 +57,7 @@ static void tile(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int m_
                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16))
                           : _mm512_setzero_ps();
     for (int m = 0; m < m_rows; ++m)
-        _mm256_mask_storeu_epi16(y + (int64_t)m * n_out + n0, keep, round_to_bf16(_mm512_add_ps(sum16x16(d[m]), b)));
+        _mm256_mask_storeu_epi16(y + (int64_t)m * n_out + n0, keep, (__m256i)round_bf16x16((v16f)_mm512_add_ps(sum16x16(d[m]), b)));
 }
 
 /* Returns 0, or 1 when this build has no such kernel / too many rows. */

@@ -19,85 +19,26 @@
  * anywhere in the cache, so the hardware prefetcher cannot guess the jump).
  * NOTE: q.k uses vdpbf16ps where the CPU has avx512_bf16 (bf16 pairs multiplied exactly, summed in
  * fp32: the products the reference gets by upcasting both sides), fp32 FMAs otherwise.
- * NOTE: exp is a polynomial (range reduction to [-0.5, 0.5] in base 2, degree-7 Taylor; relative
- * error about 1e-7) so that it vectorises without -ffast-math (whose shared-library start-up code
- * would flush denormals for the whole process on GCC < 13).
+ * NOTE: exp is vb_simd.h's polynomial (relative error about 1e-7).
  * NOTE: only positions below a request's length are read: unwritten cache slots (any bit
  * pattern, NaN included) never reach the arithmetic.
  */
 #include <float.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "vb_simd.h"
 
 #define ROWS_PER_ITEM 16
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 1024
 
-typedef uint16_t bf16;
-
-/* Vectors of 16 floats / 16 bf16 (GCC/Clang vector extensions: AVX-512 here, split into
- * narrower registers by the compiler on CPUs without it). */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
-
-static inline v16f load_bf16x16(const bf16 *src) {
-#ifdef __AVX512F__
-    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
-#else
-    const v16h h = *(const v16h *)src;
-    return (v16f)(__builtin_convertvector(h, v16u) << 16);
-#endif
-}
-
-static inline void store_bf16x16(bf16 *dst, v16f f) {  /* round to nearest even; NaN stays NaN */
-    v16u u = (v16u)f;
-    const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);  /* all-ones lanes where f is NaN */
-    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    u = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
-    *(v16h *)dst = __builtin_convertvector(u, v16h);
-}
-
-static inline float sum16(v16f v) {
-    v += __builtin_shuffle(v, (v16u){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (v16u){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return v[0];
-}
-
-/* e^x for x <= 0 (softmax terms after the max is subtracted), 16 lanes. */
-static inline v16f exp16(v16f x) {
-    const v16i low = x < -87.0f;                            /* all-ones lanes below -87 */
-    x = (v16f)(((v16i)x & ~low) | ((v16i)((v16f){0} - 87.0f) & low));
-    const v16f t = x * 1.4426950408889634f;                 /* x / ln 2 */
-#ifdef __AVX512F__
-    const v16f n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-    v16f n;
-    for (int j = 0; j < 16; ++j) n[j] = __builtin_rintf(t[j]);
-#endif
-    const v16f f = (t - n) * 0.6931471805599453f;           /* in [-ln2/2, ln2/2] */
-    v16f p = f * (1.0f / 5040.0f) + 1.0f / 720.0f;
-    p = p * f + 1.0f / 120.0f;
-    p = p * f + 1.0f / 24.0f;
-    p = p * f + 1.0f / 6.0f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    return (v16f)((v16i)p + (__builtin_convertvector(n, v16i) << 23));
-}
-
-static inline float exp1(float x) { return exp16((v16f){0} + x)[0]; }
+static inline float exp1(float x) { return exp16(splat(x))[0]; }
 
 typedef struct {
-    const bf16 *query;            /* [T, Hq, D] */
+    const bf16 *query;            /* [T, Hq, D], rows query_stride apart */
+    int64_t query_stride;
     bf16 *out;                    /* [T, Hq, D] */
     const bf16 *key_cache;        /* [num_blocks, block_size, Hk, D] */
     const bf16 *value_cache;
@@ -134,41 +75,20 @@ static inline __attribute__((always_inline)) void block_scores(
         /* bf16 pairs multiplied exactly and summed in fp32, keys not converted. 16 positions at a
            time: their 16 partial-dot vectors are summed by one transposing tree (45 shuffles/adds
            instead of 8 per score), leaving the 16 scores in one vector. */
-        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         for (int g = 0; g < G; ++g) {
             __m512bh qb[MAX_HEAD_DIM / 32];
             for (int c = 0; c < NV / 2; ++c) qb[c] = (__m512bh)_mm512_loadu_si512(q + g * NV * 16 + 32 * c);
             for (int o0 = 0; o0 < n; o0 += 16) {
                 const int m = n - o0 < 16 ? n - o0 : 16;
-                __m512 quad[4];
-                for (int e = 0; e < 4; ++e) {
-                    __m512 pair[2];
-                    for (int f = 0; f < 2; ++f) {
-                        __m512 dot[2];
-                        for (int j = 0; j < 2; ++j) {
-                            const int o = o0 + 4 * e + 2 * f + j;
-                            dot[j] = _mm512_setzero_ps();
-                            if (o - o0 < m)
-                                for (int c = 0; c < NV / 2; ++c)
-                                    dot[j] = _mm512_dpbf16_ps(dot[j], qb[c],
-                                        (__m512bh)_mm512_loadu_si512(krows + o * row_stride + 32 * c));
-                        }
-                        pair[f] = _mm512_add_ps(_mm512_shuffle_f32x4(dot[0], dot[1], 0x44),
-                                                _mm512_shuffle_f32x4(dot[0], dot[1], 0xEE));
-                    }
-                    quad[e] = _mm512_add_ps(_mm512_shuffle_f32x4(pair[0], pair[1], 0x88),
-                                            _mm512_shuffle_f32x4(pair[0], pair[1], 0xDD));
+                __m512 dot[16];
+                for (int j = 0; j < 16; ++j) {
+                    dot[j] = _mm512_setzero_ps();
+                    if (j < m)
+                        for (int c = 0; c < NV / 2; ++c)
+                            dot[j] = _mm512_dpbf16_ps(dot[j], qb[c],
+                                (__m512bh)_mm512_loadu_si512(krows + (o0 + j) * row_stride + 32 * c));
                 }
-                __m512 half[2];
-                for (int f = 0; f < 2; ++f) {
-                    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(quad[2 * f], quad[2 * f + 1], 0x44),
-                                                   _mm512_shuffle_ps(quad[2 * f], quad[2 * f + 1], 0xEE));
-                    half[f] = x;
-                }
-                __m512 all = _mm512_add_ps(_mm512_shuffle_ps(half[0], half[1], 0x88),
-                                           _mm512_shuffle_ps(half[0], half[1], 0xDD));
-                /* lane 4k+e holds position 4e+k: put position i in lane i */
-                all = _mm512_mul_ps(_mm512_permutexvar_ps(order, all), _mm512_set1_ps(scale));
+                const __m512 all = _mm512_mul_ps(sum16x16(dot), _mm512_set1_ps(scale));
                 _mm512_store_ps(scores + g * score_stride + o0, all);
                 const float top = _mm512_mask_reduce_max_ps((__mmask16)((1u << m) - 1u), all);
                 bmax[g] = top > bmax[g] ? top : bmax[g];
@@ -209,7 +129,7 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int i = it->row_begin; i < it->row_end; ++i) {
         const int64_t t = q_begin + i;
         const int len = first_pos + i + 1;  /* keys 0 .. first_pos + i */
-        const bf16 *qrow = p->query + t * Hq * D;
+        const bf16 *qrow = p->query + t * p->query_stride;
         for (int j = 0; j < nh * G; ++j) { sc->mx[j] = -FLT_MAX; sc->sum[j] = 0.0f; }
         memset(sc->acc, 0, sizeof(float) * (size_t)nh * G * D);
 
@@ -301,7 +221,7 @@ static AttendFn pick(int head_dim, int group) {
 /* Returns 0, or: 1 unsupported shape (head_dim not a multiple of 16 or above 256, more than 16
  * query heads per kv head, block size above 1024), 2 out of memory. */
 int vb_paged_attention_bf16(
-        const bf16 *query, bf16 *out, const bf16 *key_cache, const bf16 *value_cache,
+        const bf16 *query, int64_t query_stride, bf16 *out, const bf16 *key_cache, const bf16 *value_cache,
         const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
         const int32_t *seq_lens, int num_reqs, int num_q_heads, int num_kv_heads, int head_dim,
         int block_size, float scale, int num_threads) {
@@ -331,7 +251,7 @@ int vb_paged_attention_bf16(
                 ++k;
             }
     }
-    const Problem problem = {query, out, key_cache, value_cache, block_tables, table_stride, query_start,
+    const Problem problem = {query, query_stride, out, key_cache, value_cache, block_tables, table_stride, query_start,
                              seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, scale};
     const AttendFn fn = pick(head_dim, group);
     int failed = 0;
