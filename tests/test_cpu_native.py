@@ -18,6 +18,8 @@ pytestmark = pytest.mark.skipif(native is None, reason="no C compiler: the nativ
 
 CASES = {**CASES,
          "long_prefill_on_prefix": ([37], [40], 16),      # several 16-row items over many blocks
+         "prefills_block_16": ([0, 0, 21, 9], [37, 5, 19, 1], 16),  # the tiled many-row path, ragged tiles
+         "prefill_block_32_on_prefix": ([40, 3], [20, 33], 32),
          "block_size_not_multiple_of_16": ([29, 3], [1, 20], 24),
          "many_decodes": ([int(x) for x in torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(1))],
                           [1] * 40, 16)}
@@ -44,7 +46,7 @@ def test_native_attention_matches_reference(case):
 
 @pytest.mark.parametrize("head_dim,group", SHAPES)
 def test_native_attention_every_specialisation(head_dim, group):
-    for case in ("decode_ragged", "mixed_prefill_and_decode", "long_prefill_on_prefix"):
+    for case in ("decode_ragged", "mixed_prefill_and_decode", "long_prefill_on_prefix", "prefill_block_32_on_prefix"):
         assert _max_error(case, head_dim, group) < 2e-2, case
 
 
@@ -59,10 +61,11 @@ def test_native_attention_same_rows_whatever_the_thread_count(threads):
     assert torch.equal(one, many)
 
 
-def test_native_attention_never_reads_unowned_slots():
+@pytest.mark.parametrize("block_size", [8, 16])  # 16: prefill rows take the tiled path
+def test_native_attention_never_reads_unowned_slots(block_size):
     # Slots past each request's length and blocks no request owns may hold anything (the cache is
     # allocated with torch.empty): NaN there must not reach the output.
-    query, key_cache, value_cache, attn, scale = _random_step([2, 13, 30], [1, 1, 5], 8, head_dim=64)
+    query, key_cache, value_cache, attn, scale = _random_step([2, 13, 30], [1, 1, 7], block_size, head_dim=64)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
     block_size = key_cache.shape[1]
     for r, n in enumerate(attn.seq_lens_list):

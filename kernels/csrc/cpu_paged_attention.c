@@ -57,6 +57,12 @@ typedef struct {
     float scores[MAX_GROUP * MAX_BLOCK_SIZE];  /* [G, block_size rounded up to 16] of the current block */
     float *acc;                                /* [heads in item, G, D] */
     float *mx, *sum;                           /* [heads in item, G] */
+    /* the tiled (many-row) path: one kv head at a time */
+    float *tacc;                               /* [ROWS_PER_ITEM * G, D] */
+    float *tm, *tl;                            /* [ROWS_PER_ITEM * G] running max and sum */
+    float *tp;                                 /* [ROWS_PER_ITEM * G, 16] softmax numerators of the chunk */
+    uint32_t *kt;                              /* [D / 2, 16] the chunk's keys as bf16 pairs, transposed */
+    float *vf;                                 /* [16, D] the chunk's values in fp32 */
 } Scratch;
 
 #if defined(__AVX512BF16__)
@@ -113,6 +119,101 @@ static inline __attribute__((always_inline)) void block_scores(
     }
 }
 
+#if HAVE_DPBF16
+#ifndef TILED_MIN_ROWS
+#define TILED_MIN_ROWS 4
+#endif
+/* Many query rows of one request (prefill, chunked prefill): 16 positions at a time, every row of
+ * the item against them. The chunk's keys are transposed once into bf16 pairs per lane
+ * ([D/2][16 positions]), so q.k for one (row, head) is D/2 vdpbf16ps with the q pair broadcast,
+ * leaving the 16 scores in one vector (no per-score sums), and the chunk's values are converted
+ * to fp32 once for all rows. Eight (row, head) dot products run side by side to hide latency.
+ * Causal limits differ per row: lanes past a row's position are masked out of the softmax. */
+static inline __attribute__((always_inline)) void attend_rows_tiled(
+        const Problem *p, const Item *it, Scratch *sc, const int NV, const int G) {
+    const int D = NV * 16, DP = D / 2, Hk = p->num_kv_heads, Hq = p->num_q_heads, BS = p->block_size;
+    const int64_t row_stride = (int64_t)Hk * D, block_stride = (int64_t)BS * row_stride;
+    const int32_t *table = p->block_tables + (int64_t)it->req * p->table_stride;
+    const int q_begin = p->query_start[it->req];
+    const int q_len = p->query_start[it->req + 1] - q_begin;
+    const int first_pos = p->seq_lens[it->req] - q_len;  /* absolute position of the request's row 0 */
+    const int r0 = it->row_begin, R = it->row_end - it->row_begin;
+    const int len_max = first_pos + it->row_end;         /* the item's last row sees positions < this */
+    const __m512 scale = _mm512_set1_ps(p->scale);
+    for (int h = it->head_begin; h < it->head_end; ++h) {
+        for (int i = 0; i < R * G; ++i) { sc->tm[i] = -FLT_MAX; sc->tl[i] = 0.0f; }
+        memset(sc->tacc, 0, sizeof(float) * (size_t)R * G * D);
+        for (int s0 = 0; s0 < len_max; s0 += 16) {
+            const int n = len_max - s0 < 16 ? len_max - s0 : 16;
+            const int64_t base = (int64_t)table[s0 / BS] * block_stride + (int64_t)(s0 % BS) * row_stride + (int64_t)h * D;
+            const bf16 *krows = p->key_cache + base, *vrows = p->value_cache + base;
+            for (int j = 0; j < 16; ++j) {
+                const uint32_t *kr = (const uint32_t *)(krows + j * row_stride);
+                for (int dp = 0; dp < DP; ++dp) sc->kt[dp * 16 + j] = j < n ? kr[dp] : 0u;
+                for (int c = 0; c < NV; ++c)
+                    *(v16f *)(sc->vf + j * D + 16 * c) = j < n ? load_bf16x16(vrows + j * row_stride + 16 * c) : splat(0.0f);
+            }
+            /* rows whose position is below s0 are finished */
+            const int first_active = s0 - first_pos > r0 ? s0 - first_pos - r0 : 0;
+            const int rg_begin = first_active * G, rg_end = R * G;
+            for (int i0 = rg_begin; i0 < rg_end; i0 += 8) {
+                const int cnt = rg_end - i0 < 8 ? rg_end - i0 : 8;
+                const uint32_t *qp[8];
+                __m512 acc[8];
+                for (int u = 0; u < 8; ++u) {
+                    const int i = i0 + (u < cnt ? u : 0), r = i / G, g = i % G;
+                    qp[u] = (const uint32_t *)(p->query + (int64_t)(q_begin + r0 + r) * p->query_stride
+                                               + ((int64_t)h * G + g) * D);
+                    acc[u] = _mm512_setzero_ps();
+                }
+                for (int dp = 0; dp < DP; ++dp) {
+                    const __m512bh k = (__m512bh)_mm512_load_si512(sc->kt + dp * 16);
+                    for (int u = 0; u < 8; ++u)
+                        acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_set1_epi32((int)qp[u][dp]), k);
+                }
+                for (int u = 0; u < cnt; ++u) {
+                    const int i = i0 + u, last = first_pos + r0 + i / G - s0;  /* last position this row sees */
+                    const __mmask16 valid = (__mmask16)((last >= 15 ? 0xFFFFu : (1u << (last + 1)) - 1u)
+                                                        & ((1u << n) - 1u));
+                    const __m512 sc16 = _mm512_mul_ps(acc[u], scale);
+                    const float top = _mm512_mask_reduce_max_ps(valid, sc16);
+                    const float m_old = sc->tm[i], m_new = top > m_old ? top : m_old, alpha = exp1(m_old - m_new);
+                    const __m512 e = _mm512_maskz_mov_ps(valid, (__m512)exp16((v16f)_mm512_sub_ps(sc16, _mm512_set1_ps(m_new))));
+                    sc->tl[i] = sc->tl[i] * alpha + _mm512_reduce_add_ps(e);
+                    sc->tm[i] = m_new;
+                    _mm512_store_ps(sc->tp + i * 16, e);
+                    if (alpha != 1.0f)
+                        for (int c = 0; c < NV; ++c) *(v16f *)(sc->tacc + (int64_t)i * D + 16 * c) *= alpha;
+                }
+            }
+            /* p.v, four (row, head) accumulators at a time: independent FMA chains, shared loads */
+            for (int i0 = rg_begin; i0 < rg_end; i0 += 4) {
+                const int cnt = rg_end - i0 < 4 ? rg_end - i0 : 4;
+                v16f a[4][MAX_HEAD_DIM / 16];
+                for (int u = 0; u < 4; ++u)
+                    for (int c = 0; c < NV; ++c)
+                        a[u][c] = u < cnt ? *(v16f *)(sc->tacc + (int64_t)(i0 + u) * D + 16 * c) : splat(0.0f);
+                for (int j = 0; j < n; ++j) {
+                    v16f v[MAX_HEAD_DIM / 16];
+                    for (int c = 0; c < NV; ++c) v[c] = *(const v16f *)(sc->vf + j * D + 16 * c);
+                    for (int u = 0; u < 4; ++u) {
+                        const float w = u < cnt ? sc->tp[(i0 + u) * 16 + j] : 0.0f;
+                        for (int c = 0; c < NV; ++c) a[u][c] += w * v[c];
+                    }
+                }
+                for (int u = 0; u < cnt; ++u)
+                    for (int c = 0; c < NV; ++c) *(v16f *)(sc->tacc + (int64_t)(i0 + u) * D + 16 * c) = a[u][c];
+            }
+        }
+        for (int i = 0; i < R * G; ++i) {
+            const float inv = 1.0f / sc->tl[i];
+            bf16 *os = p->out + ((int64_t)(q_begin + r0 + i / G) * Hq + (int64_t)h * G + i % G) * D;
+            for (int c = 0; c < NV; ++c) store_bf16x16(os + 16 * c, *(v16f *)(sc->tacc + (int64_t)i * D + 16 * c) * inv);
+        }
+    }
+}
+#endif
+
 /* One work item. NV (= head_dim / 16) and G are compile-time constants in the specialised copies
  * below, so the query and accumulator vectors of one kv head live in registers. */
 static inline __attribute__((always_inline)) void attend_item(
@@ -124,6 +225,12 @@ static inline __attribute__((always_inline)) void attend_item(
     const int q_len = p->query_start[it->req + 1] - q_begin;
     const int first_pos = p->seq_lens[it->req] - q_len;  /* absolute position of the request's row 0 */
     const int h0 = it->head_begin, nh = it->head_end - it->head_begin;
+#if HAVE_DPBF16
+    if (NV % 2 == 0 && BS % 16 == 0 && it->row_end - it->row_begin >= TILED_MIN_ROWS) {
+        attend_rows_tiled(p, it, sc, NV, G);
+        return;
+    }
+#endif
     const int SS = (BS + 15) / 16 * 16;                    /* score row stride: whole aligned vectors */
 
     for (int i = it->row_begin; i < it->row_end; ++i) {
@@ -257,13 +364,23 @@ int vb_paged_attention_bf16(
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
-        const size_t state_bytes = (sizeof(float) * (size_t)heads_per_item * group * (head_dim + 2) + 63) / 64 * 64;
+        /* one aligned allocation: per-row state, then the tiled path's buffers (16-float aligned) */
+        const size_t rg = (size_t)ROWS_PER_ITEM * group, up = 16;
+        const size_t sizes[8] = {(size_t)heads_per_item * group * head_dim, (size_t)heads_per_item * group,
+                                 (size_t)heads_per_item * group, rg * head_dim, rg, rg, rg * 16,
+                                 (size_t)head_dim / 2 * 16 + (size_t)16 * head_dim};
+        size_t total = 0;
+        for (int j = 0; j < 8; ++j) total += (sizes[j] + up - 1) / up * up;
         Scratch *sc = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
-        float *state = sc ? aligned_alloc(64, state_bytes) : NULL;
+        float *state = sc ? aligned_alloc(64, total * sizeof(float)) : NULL;
         if (state) {
-            sc->acc = state;
-            sc->mx = state + (size_t)heads_per_item * group * head_dim;
-            sc->sum = sc->mx + (size_t)heads_per_item * group;
+            float *at[8];
+            float *cursor = state;
+            for (int j = 0; j < 8; ++j) { at[j] = cursor; cursor += (sizes[j] + up - 1) / up * up; }
+            sc->acc = at[0]; sc->mx = at[1]; sc->sum = at[2];
+            sc->tacc = at[3]; sc->tm = at[4]; sc->tl = at[5]; sc->tp = at[6];
+            sc->kt = (uint32_t *)at[7];
+            sc->vf = at[7] + (size_t)head_dim / 2 * 16;
         } else {
 #pragma omp atomic write
             failed = 2;
