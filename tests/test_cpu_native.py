@@ -213,3 +213,26 @@ def test_native_attention_reads_query_rows_in_place_from_a_qkv_view():
     assert not view.is_contiguous()
     want = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 2)
     assert torch.equal(native.paged_attention_bf16(view, key_cache, value_cache, attn, scale, 2), want)
+
+
+def test_without_the_native_build_bf16_ops_keep_the_torch_paths(monkeypatch):
+    # No C compiler (or VBATCH_CPU_NATIVE=0): load() gives None and get_ops binds the torch fast
+    # paths (oneDNN linears, inductor decode attention) instead, same contract.
+    from vbatch.kernels import cpu_attention, cpu_linear
+    from vbatch.kernels.ops import get_ops
+    if not cpu_linear.can_pack(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 on this CPU")
+    monkeypatch.setattr(cpu_native, "_loaded", None)
+    ops = get_ops("cpu", torch.bfloat16)
+    assert ops.name == "cpu-bf16" and ops.paged_attention is cpu_attention.paged_attention
+    linear = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    packed = ops.pack_linear(linear)
+    assert packed.native is None and packed.weight is None  # no second copy of the weights
+    monkeypatch.undo()
+    assert get_ops("cpu", torch.bfloat16).name == "cpu-bf16-native"
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("VBATCH_CPU_NATIVE", "0")
+    monkeypatch.setattr(cpu_native, "_loaded", False)  # forget the cached load
+    assert cpu_native.load() is None
