@@ -16,6 +16,7 @@ the host's CPU flags), never shipped.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -32,13 +33,34 @@ from .attention_metadata import AttentionMetadata
 logger = logging.getLogger("vbatch.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c")
-HEADERS = (CSRC / "vb_simd.h",)
+SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
+           CSRC / "cpu_decoder_layer.c")
+HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          "-std=gnu11", "-ffp-contract=fast", "-Wall")
 _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, more than 16 query heads per kv head, "
                "or block size above 1024)",
            2: "out of memory for scratch buffers"}
+
+
+class VbLayer(ctypes.Structure):
+    """cpu_decoder_layer.c's VbLayer: one decoder layer's weights (pointers) and sizes."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight",
+        "gate_up_bias", "down_weight", "down_bias")] + [
+        (name, ctypes.c_int) for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class VbStep(ctypes.Structure):
+    """cpu_decoder_layer.c's VbStep: what every layer of one step shares (pointers) and scratch rows."""
+
+    _fields_ = [("rows", ctypes.c_int), ("cos", ctypes.c_void_p), ("signed_sin", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
+                ("query_start", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("num_reqs", ctypes.c_int),
+                ("block_size", ctypes.c_int)] + [
+        (name, ctypes.c_void_p) for name in ("normed", "qkv", "attn", "proj", "gate_up", "act")]
 
 
 class NativeKernelError(RuntimeError):
@@ -129,6 +151,21 @@ class NativeKernels:
             rows.shape[0], weight.shape[0], weight.shape[1], num_threads)
         return out if rc == 0 else None
 
+    def decoder_layer_bf16(self, layer: VbLayer, step: VbStep, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           hidden: torch.Tensor, residual: torch.Tensor, first_layer: bool, num_threads: int) -> None:
+        """In place: hidden [rows, hidden] becomes the layer's output, residual the updated stream."""
+        rc = self.library.vb_decoder_layer_bf16(ctypes.byref(layer), ctypes.byref(step), key_cache.data_ptr(),
+                                                value_cache.data_ptr(), hidden.data_ptr(), residual.data_ptr(),
+                                                int(first_layer), num_threads)
+        if rc != 0:
+            raise NativeKernelError(f"native decoder layer: {_ERRORS.get(rc, f'error {rc}')}")
+
+    @functools.cached_property
+    def has_small_linear(self) -> bool:
+        """Whether this build has the small-rows linear kernel (it needs avx512_bf16)."""
+        probe = torch.zeros(1, 32, dtype=torch.bfloat16)
+        return self.linear_small_bf16(probe, torch.zeros(16, 32, dtype=torch.bfloat16), None, 1) is not None
+
     def rms_norm_bf16(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       num_threads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x, residual: [..., hidden] bf16 contiguous; weight [hidden] bf16 -> (normed, x + residual)."""
@@ -179,6 +216,9 @@ def _bind(path: Path) -> NativeKernels:
                            ("vb_write_kv_bf16", [p, i64, p, i64, p, p, p, i64, i32])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    fn = lib.vb_decoder_layer_bf16
+    fn.argtypes = [p, p, p, p, p, p, i32, i32]
+    fn.restype = ctypes.c_int
     return NativeKernels(lib, path)
 
 

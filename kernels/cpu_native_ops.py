@@ -94,3 +94,75 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
         return cache_ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
     _kernels().write_kv_bf16(key, value, key_cache, value_cache, slot_mapping)
+
+
+# --- a whole decoder layer for a few tokens (kernels/csrc/cpu_decoder_layer.c) ------------------
+
+FUSED_LAYER_MAX_ROWS = 4  # the small-rows linear's range (cpu_linear.PackedLinear.SMALL_ROWS)
+
+
+class _Step:
+    """The VbStep of one forward (shared by its layers) and the scratch rows it points into."""
+
+    def __init__(self, attn: AttentionMetadata, tables: cpu_rotary.RotaryTables, rows: int, layer) -> None:
+        from .cpu_native import VbStep
+        attention, mlp = layer.self_attn, layer.mlp
+        hidden, q = attention.o_proj.out_features, attention.q_size
+        qkv, inter = attention.qkv.out_features, mlp.down_proj.in_features
+        self.attn, self.tables = attn, tables  # keeps the pointed-to tensors alive, and the identity check
+        self.scratch = [torch.empty(rows, width, dtype=torch.bfloat16)
+                        for width in (hidden, qkv, q, hidden, 2 * inter, inter)]
+        self.inputs = (tables[0].contiguous(), tables[1].contiguous(), attn.slot_mapping.contiguous(),
+                       attn.block_tables.contiguous(), attn.query_start_loc.contiguous(), attn.seq_lens.contiguous())
+        cos, sin, slots, tables_, starts, lens = self.inputs
+        self.struct = VbStep(rows, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables_.data_ptr(),
+                             tables_.stride(0), starts.data_ptr(), lens.data_ptr(), attn.num_reqs, attn.block_size,
+                             *(t.data_ptr() for t in self.scratch))
+
+
+_step: _Step | None = None
+
+
+def _layer_struct(layer):
+    """The layer's VbLayer, built once and kept on the module (None: the layer is not all native)."""
+    cached = getattr(layer, "_vb_native_layer", False)
+    if cached is not False:
+        return cached
+    from .cpu_linear import PackedLinear
+    from .cpu_native import VbLayer
+    attention, mlp = layer.self_attn, layer.mlp
+    linears = (attention.qkv, attention.o_proj, mlp.gate_up, mlp.down_proj)
+    struct = None
+    s = attention.s
+    if (all(isinstance(m, PackedLinear) and m.weight is not None for m in linears)
+            and layer.input_layernorm.dtype == torch.bfloat16 and s.head_dim % 32 == 0 and _kernels().has_small_linear):
+        pointers = [layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr()]
+        for m in linears:
+            pointers += [m.weight.data_ptr(), None if m.bias is None else m.bias.data_ptr()]
+        struct = VbLayer(*pointers, s.hidden_size, s.num_q_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
+                         layer.eps, attention.scale)
+    layer._vb_native_layer = struct
+    return struct
+
+
+def decoder_layer(layer, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                  kv_cache, attn: AttentionMetadata, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer(positions, hidden, residual, kv_cache, attn, rope)`, in one native call when the step
+    has at most FUSED_LAYER_MAX_ROWS tokens (decode at small batch); the module's own forward
+    (the ops one by one) otherwise. Same results: each step of the native layer is the native op."""
+    global _step
+    rows = hidden.shape[0]
+    struct = _layer_struct(layer) if 0 < rows <= FUSED_LAYER_MAX_ROWS else None
+    key_cache, value_cache = kv_cache
+    if (struct is None or not isinstance(rope, tuple) or hidden.dtype != torch.bfloat16
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+        return layer(positions, hidden, residual, kv_cache, attn, rope)
+    if _step is None or _step.attn is not attn or _step.tables is not rope:
+        _step = _Step(attn, rope, rows, layer)
+    first = residual is None
+    hidden = hidden.contiguous()
+    if first:
+        residual = torch.empty_like(hidden)
+    _kernels().decoder_layer_bf16(struct, _step.struct, key_cache, value_cache, hidden, residual, first,
+                                  torch.get_num_threads())
+    return hidden, residual

@@ -45,6 +45,10 @@ class Ops:
     # Optional, CPU bf16 (kernels/cpu_attention.py): `prepare_attention(attn) -> attn'` runs once per
     # forward; attn' (an AttentionMetadata with extra per-step fields) goes to every layer.
     prepare_attention: Callable[..., Any] | None = None
+    # Optional, CPU bf16 native (kernels/cpu_native_ops.py): `decoder_layer(layer, positions, hidden,
+    # residual, kv_cache, attn, rope) -> (hidden, residual)` runs a whole decoder layer (the model calls
+    # it in place of `layer(...)`; it may just call the layer). None: the layers run their forward.
+    decoder_layer: Callable[..., Any] | None = None
 
 
 REFERENCE_OPS = Ops(
@@ -75,7 +79,8 @@ def _cpu_ops(dtype: torch.dtype) -> Ops:
         ops = dataclasses.replace(ops, name="cpu-bf16-native", paged_attention=n.paged_attention,
                                   prepare_attention=None, rms_norm=n.rms_norm,
                                   fused_add_rms_norm=n.fused_add_rms_norm, silu_and_mul=n.silu_and_mul,
-                                  apply_rotary=n.apply_rotary, write_kv_cache=n.write_kv_cache)
+                                  apply_rotary=n.apply_rotary, write_kv_cache=n.write_kv_cache,
+                                  decoder_layer=n.decoder_layer)
     return ops
 
 

@@ -236,3 +236,47 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("VBATCH_CPU_NATIVE", "0")
     monkeypatch.setattr(cpu_native, "_loaded", False)  # forget the cached load
     assert cpu_native.load() is None
+
+
+# --- the whole decoder layer in one call (kernels/csrc/cpu_decoder_layer.c) ----------------------
+
+@pytest.mark.parametrize("name", ["llama_untied_biases", "qwen2"])  # every bias pointer; GQA
+def test_fused_decoder_layer_equals_the_layer_op_by_op(name, monkeypatch):
+    # Oracle: the same bf16 model running its layers' forward (the native ops one by one, each
+    # tested against its reference above). The fused layer composes the same kernels, so the
+    # logits must be identical, not just close, at 1-4 rows; 5 rows must take the layer forward.
+    from test_llama_model import CONFIGS, PagedBatch, prompts
+    from transformers import AutoModelForCausalLM
+    from vbatch.engine.models.registry import get_model_class
+    config = CONFIGS[name]()
+    config.hidden_size, config.intermediate_size, config.head_dim = 256, 160, 64  # as the kernels take it
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in pname else 0.15 * torch.randn_like(p))
+    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu")
+    model.load_weights(hf.state_dict().items())
+    model.finalize_weights()                                   # as the model runner does: packed linears
+    assert model.ops.decoder_layer is cpu_native_ops.decoder_layer
+    assert cpu_native_ops._layer_struct(model.layers[0]) is not None or not native.has_small_linear
+    calls = []
+    real = cpu_native.NativeKernels.decoder_layer_bf16
+    monkeypatch.setattr(cpu_native.NativeKernels, "decoder_layer_bf16",
+                        lambda self, *a: calls.append(a[4].shape[0]) or real(self, *a))
+    for rows in (1, 2, 4, 5):                   # decode steps of 1, 2 and 4 rows are fused; 5 are not
+        seqs = prompts(config.vocab_size, [6, 3, 9, 4, 5][:rows], seed=rows)
+        runs = {}
+        for fused in (True, False):
+            monkeypatch.setattr(cpu_native_ops, "FUSED_LAYER_MAX_ROWS", 4 if fused else 0)
+            batch = PagedBatch(model, [len(s) + 3 for s in seqs])
+            batch.kv_caches = [(k.bfloat16(), v.bfloat16()) for k, v in batch.kv_caches]
+            logits = [batch.step(model, seqs, [0] * rows)]                 # prefill
+            for step in range(3):                                          # decode
+                tokens = [[int(l.argmax())] for l in logits[-1][-rows:]] if step else [[5]] * rows
+                logits.append(batch.step(model, tokens, [len(s) + step for s in seqs]))
+            runs[fused] = logits
+        for got, want in zip(runs[True], runs[False], strict=True):
+            assert torch.equal(got, want), rows
+    # fused: the 3 decode steps of every layer at 1, 2 and 4 rows (the prefills have more than 4 tokens)
+    assert sorted(set(calls)) == [1, 2, 4] and len(calls) == 3 * 3 * config.num_hidden_layers

@@ -187,8 +187,12 @@ class LlamaForCausalLM(nn.Module):
                 else self.ops.prepare_rotary(positions, self.rope_cache, self.dtype))
         if self.ops.prepare_attention is not None:  # CPU bf16: decode slot table once per step
             attn = self.ops.prepare_attention(attn)
+        run = self.ops.decoder_layer  # CPU bf16 native: a whole layer per call at small batch
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope)
+            if run is None:
+                hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope)
+            else:
+                hidden, residual = run(layer, positions, hidden, residual, kv_cache, attn, rope)
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.shape.rms_norm_eps)
         return hidden  # [T, hidden]
 

@@ -15,16 +15,16 @@
 #include <math.h>
 #include <string.h>
 
+#include "vb_kernels.h"
 #include "vb_simd.h"
 
 #define PARALLEL_MIN 65536
 
 /* out = w * bf16(s * rsqrt(mean(s^2) + eps)), s = bf16(x + residual) or x; new_residual = s. */
-void vb_rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, float eps, bf16 *out,
-                      bf16 *new_residual, int64_t rows, int hidden, int num_threads) {
+void vb_rms_norm_rows(const bf16 *x, const bf16 *residual, const bf16 *weight, float eps, bf16 *out,
+                      bf16 *new_residual, int64_t row_begin, int64_t row_end, int hidden) {
     const int full = hidden / 16 * 16;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && rows * hidden >= PARALLEL_MIN)
-    for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t t = row_begin; t < row_end; ++t) {
         const bf16 *xr = x + t * hidden;
         const bf16 *rr = residual ? residual + t * hidden : NULL;
         bf16 *sr = new_residual ? new_residual + t * hidden : NULL;
@@ -57,9 +57,8 @@ void vb_rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, f
 }
 
 /* out[t, i] = bf16(bf16(silu(gate)) * up), x[t] = gate | up, each of width d. */
-void vb_silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int d, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && rows * d >= PARALLEL_MIN)
-    for (int64_t t = 0; t < rows; ++t) {
+void vb_silu_and_mul_rows(const bf16 *x, bf16 *out, int64_t row_begin, int64_t row_end, int d) {
+    for (int64_t t = row_begin; t < row_end; ++t) {
         const bf16 *gate = x + t * 2 * d, *up = gate + d;
         bf16 *orow = out + t * d;
         for (int i = 0; i < d; i += 16) {
@@ -74,12 +73,11 @@ void vb_silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int d, int num
 
 /* In place, for every token and head of q and k (rows of `row_stride` elements, heads of D):
  * x = bf16(bf16(x * cos) + bf16(rotate_half(x) * signed_sin)), tables [T, D] bf16. */
-void vb_rotary_bf16(bf16 *q, int64_t q_row_stride, int q_heads, bf16 *k, int64_t k_row_stride, int k_heads,
-                    const bf16 *cos, const bf16 *signed_sin, int64_t rows, int head_dim, int num_threads) {
+void vb_rotary_rows(bf16 *q, int64_t q_row_stride, int q_heads, bf16 *k, int64_t k_row_stride, int k_heads,
+                    const bf16 *cos, const bf16 *signed_sin, int64_t row_begin, int64_t row_end, int head_dim) {
     const int half = head_dim / 2;
     if (half % 16 != 0) return;  /* the binding only calls with head_dim a multiple of 32 */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && rows * (q_heads + k_heads) * head_dim >= PARALLEL_MIN)
-    for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t t = row_begin; t < row_end; ++t) {
         const bf16 *c = cos + t * head_dim, *s = signed_sin + t * head_dim;
         for (int h = 0; h < q_heads + k_heads; ++h) {
             bf16 *x = h < q_heads ? q + t * q_row_stride + (int64_t)h * head_dim
@@ -106,4 +104,31 @@ void vb_write_kv_bf16(const bf16 *key, int64_t k_row_stride, const bf16 *value, 
         memcpy(key_cache + slots[t] * width, key + t * k_row_stride, sizeof(bf16) * (size_t)width);
         memcpy(value_cache + slots[t] * width, value + t * v_row_stride, sizeof(bf16) * (size_t)width);
     }
+}
+
+/* The same over all rows, split across num_threads threads above PARALLEL_MIN elements. */
+#define SPLIT_ROWS(rows, elements, call)                                                              \
+    do {                                                                                              \
+        const int team = num_threads > 1 && (elements) >= PARALLEL_MIN ? num_threads : 1;             \
+        _Pragma("omp parallel for schedule(static) num_threads(team)")                               \
+        for (int part = 0; part < team; ++part) {                                                     \
+            const int64_t row_begin = (rows) * part / team, row_end = (rows) * (part + 1) / team;     \
+            call;                                                                                     \
+        }                                                                                             \
+    } while (0)
+
+void vb_rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, float eps, bf16 *out,
+                      bf16 *new_residual, int64_t rows, int hidden, int num_threads) {
+    SPLIT_ROWS(rows, rows * hidden, vb_rms_norm_rows(x, residual, weight, eps, out, new_residual, row_begin, row_end, hidden));
+}
+
+void vb_silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int d, int num_threads) {
+    SPLIT_ROWS(rows, rows * d, vb_silu_and_mul_rows(x, out, row_begin, row_end, d));
+}
+
+void vb_rotary_bf16(bf16 *q, int64_t q_row_stride, int q_heads, bf16 *k, int64_t k_row_stride, int k_heads,
+                    const bf16 *cos, const bf16 *signed_sin, int64_t rows, int head_dim, int num_threads) {
+    SPLIT_ROWS(rows, rows * (q_heads + k_heads) * head_dim,
+               vb_rotary_rows(q, q_row_stride, q_heads, k, k_row_stride, k_heads, cos, signed_sin, row_begin, row_end,
+                              head_dim));
 }

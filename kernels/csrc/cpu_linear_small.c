@@ -13,6 +13,7 @@
  */
 #include <string.h>
 
+#include "vb_kernels.h"
 #include "vb_simd.h"
 
 #if defined(__AVX512BF16__)
@@ -60,23 +61,36 @@ static void tile(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int m_
         _mm256_mask_storeu_epi16(y + (int64_t)m * n_out + n0, keep, (__m256i)round_bf16x16((v16f)_mm512_add_ps(sum16x16(d[m]), b)));
 }
 
-/* Returns 0, or 1 when this build has no such kernel / too many rows. */
+/* On the enclosing team (see vb_kernels.h). Returns 0, or 1: no such kernel in this build / too many rows. */
+int vb_linear_small_shared(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int m_rows, int n_out,
+                           int k_in) {
+    if (m_rows < 1 || m_rows > MAX_ROWS) return 1;
+    /* contiguous tile ranges per thread: each streams its part of the weight front to back */
+#pragma omp for schedule(static)
+    for (int t = 0; t < (n_out + 15) / 16; ++t) tile(x, w, bias, y, m_rows, n_out, k_in, 16 * t);
+    return 0;
+}
+
 int vb_linear_small_bf16(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int m_rows, int n_out,
                          int k_in, int num_threads) {
     if (m_rows < 1 || m_rows > MAX_ROWS) return 1;
-    const int tiles = (n_out + 15) / 16;
-    /* Contiguous tile ranges per thread: each streams its part of the weight front to back. */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tiles > 1)
-    for (int t = 0; t < tiles; ++t) tile(x, w, bias, y, m_rows, n_out, k_in, 16 * t);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n_out > 16)
+    vb_linear_small_shared(x, w, bias, y, m_rows, n_out, k_in);
     return 0;
 }
 
 #else
 
+int vb_linear_small_shared(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int m_rows, int n_out,
+                           int k_in) {
+    (void)x; (void)w; (void)bias; (void)y; (void)m_rows; (void)n_out; (void)k_in;
+    return 1;
+}
+
 int vb_linear_small_bf16(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int m_rows, int n_out,
                          int k_in, int num_threads) {
-    (void)x; (void)w; (void)bias; (void)y; (void)m_rows; (void)n_out; (void)k_in; (void)num_threads;
-    return 1;
+    (void)num_threads;
+    return vb_linear_small_shared(x, w, bias, y, m_rows, n_out, k_in);
 }
 
 #endif

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vb_kernels.h"
 #include "vb_simd.h"
 
 #define ROWS_PER_ITEM 16
@@ -329,11 +330,20 @@ static AttendFn pick(int head_dim, int group) {
     return attend_generic;
 }
 
+/* A planned call: the work items and the kernel copy, shared by the threads that run it. */
+struct VbAttention {
+    Problem problem;
+    AttendFn fn;
+    Item *items;
+    int64_t num_items;
+    int heads_per_item, group;
+};
+
 /* Returns 0, or: 1 unsupported shape (head_dim not a multiple of 16 or above 256, more than 16
  * query heads per kv head, block size above 1024), 2 out of memory. */
-int vb_paged_attention_bf16(
-        const bf16 *query, int64_t query_stride, bf16 *out, const bf16 *key_cache, const bf16 *value_cache,
-        const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
+int vb_attention_plan(
+        VbAttention **plan, const bf16 *query, int64_t query_stride, bf16 *out, const bf16 *key_cache,
+        const bf16 *value_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
         const int32_t *seq_lens, int num_reqs, int num_q_heads, int num_kv_heads, int head_dim,
         int block_size, float scale, int num_threads) {
     const int group = num_q_heads / num_kv_heads;
@@ -345,10 +355,14 @@ int vb_paged_attention_bf16(
         row_chunks += (query_start[r + 1] - query_start[r] + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
     /* all kv heads per item unless that leaves threads idle */
     const int heads_per_item = row_chunks >= 2 * (int64_t)num_threads ? num_kv_heads : 1;
-    const int head_splits = num_kv_heads / heads_per_item;
-    const int64_t num_items = row_chunks * head_splits;
+    const int64_t num_items = row_chunks * (num_kv_heads / heads_per_item);
+    VbAttention *pl = malloc(sizeof(VbAttention));
     Item *items = malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
-    if (!items) return 2;
+    if (!pl || !items) {
+        free(pl);
+        free(items);
+        return 2;
+    }
     int64_t k = 0;
     for (int r = 0; r < num_reqs; ++r) {
         const int q_len = query_start[r + 1] - query_start[r];
@@ -364,37 +378,71 @@ int vb_paged_attention_bf16(
     }
     const Problem problem = {query, query_stride, out, key_cache, value_cache, block_tables, table_stride, query_start,
                              seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, scale};
-    const AttendFn fn = pick(head_dim, group);
+    pl->problem = problem;
+    pl->fn = pick(head_dim, group);
+    pl->items = items;
+    pl->num_items = num_items;
+    pl->heads_per_item = heads_per_item;
+    pl->group = group;
+    *plan = pl;
+    return 0;
+}
+
+void vb_attention_free(VbAttention *plan) {
+    if (plan) free(plan->items);
+    free(plan);
+}
+
+/* Called by every thread of the enclosing team (or alone): runs the items shared out by an
+ * orphaned `omp for`, which ends with the team's barrier. Returns 0, or 2 when this thread's
+ * scratch could not be allocated (its items are then not computed). */
+int vb_attention_run_shared(const VbAttention *plan) {
+    const int group = plan->group, head_dim = plan->problem.head_dim, heads_per_item = plan->heads_per_item;
+    /* one aligned allocation: per-row state, then the tiled path's buffers (16-float aligned) */
+    const size_t rg = (size_t)ROWS_PER_ITEM * group, up = 16;
+    const size_t sizes[8] = {(size_t)heads_per_item * group * head_dim, (size_t)heads_per_item * group,
+                             (size_t)heads_per_item * group, rg * head_dim, rg, rg, rg * 16,
+                             (size_t)head_dim / 2 * 16 + (size_t)16 * head_dim};
+    size_t total = 0;
+    for (int j = 0; j < 8; ++j) total += (sizes[j] + up - 1) / up * up;
+    Scratch *sc = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+    float *state = sc ? aligned_alloc(64, total * sizeof(float)) : NULL;
+    if (state) {
+        float *at[8];
+        float *cursor = state;
+        for (int j = 0; j < 8; ++j) { at[j] = cursor; cursor += (sizes[j] + up - 1) / up * up; }
+        sc->acc = at[0]; sc->mx = at[1]; sc->sum = at[2];
+        sc->tacc = at[3]; sc->tm = at[4]; sc->tl = at[5]; sc->tp = at[6];
+        sc->kt = (uint32_t *)at[7];
+        sc->vf = at[7] + (size_t)head_dim / 2 * 16;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < plan->num_items; ++i)
+        if (state) plan->fn(&plan->problem, &plan->items[i], sc);
+    free(state);
+    free(sc);
+    return state ? 0 : 2;
+}
+
+/* The whole call: plan, run on num_threads threads, free. Returns vb_attention_plan's codes. */
+int vb_paged_attention_bf16(
+        const bf16 *query, int64_t query_stride, bf16 *out, const bf16 *key_cache, const bf16 *value_cache,
+        const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
+        const int32_t *seq_lens, int num_reqs, int num_q_heads, int num_kv_heads, int head_dim,
+        int block_size, float scale, int num_threads) {
+    VbAttention *plan = NULL;
+    const int rc = vb_attention_plan(&plan, query, query_stride, out, key_cache, value_cache, block_tables,
+                                     table_stride, query_start, seq_lens, num_reqs, num_q_heads, num_kv_heads,
+                                     head_dim, block_size, scale, num_threads);
+    if (rc != 0) return rc;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && plan->num_items > 1)
     {
-        /* one aligned allocation: per-row state, then the tiled path's buffers (16-float aligned) */
-        const size_t rg = (size_t)ROWS_PER_ITEM * group, up = 16;
-        const size_t sizes[8] = {(size_t)heads_per_item * group * head_dim, (size_t)heads_per_item * group,
-                                 (size_t)heads_per_item * group, rg * head_dim, rg, rg, rg * 16,
-                                 (size_t)head_dim / 2 * 16 + (size_t)16 * head_dim};
-        size_t total = 0;
-        for (int j = 0; j < 8; ++j) total += (sizes[j] + up - 1) / up * up;
-        Scratch *sc = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
-        float *state = sc ? aligned_alloc(64, total * sizeof(float)) : NULL;
-        if (state) {
-            float *at[8];
-            float *cursor = state;
-            for (int j = 0; j < 8; ++j) { at[j] = cursor; cursor += (sizes[j] + up - 1) / up * up; }
-            sc->acc = at[0]; sc->mx = at[1]; sc->sum = at[2];
-            sc->tacc = at[3]; sc->tm = at[4]; sc->tl = at[5]; sc->tp = at[6];
-            sc->kt = (uint32_t *)at[7];
-            sc->vf = at[7] + (size_t)head_dim / 2 * 16;
-        } else {
+        if (vb_attention_run_shared(plan) != 0) {
 #pragma omp atomic write
             failed = 2;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; ++i)
-            if (state) fn(&problem, &items[i], sc);
-        free(state);
-        free(sc);
     }
-    free(items);
+    vb_attention_free(plan);
     return failed;
 }
