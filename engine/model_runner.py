@@ -219,8 +219,13 @@ class ModelRunner:
                 sampled: list, logprobs: list) -> None:
         reqs = [sched.scheduled[i].request for i in inputs.sample_reqs]
         meta = SamplingMetadata.build(reqs, vocab_size=self.vocab_size, device=self.device)
-        rows = logits[list(inputs.sample_rows)]                                               # [num_samples, V]
-        out = self.sampler(rows, meta, self.generator)
+        # The sampler may edit its rows in place: a fresh gather, or the logits themselves when they are
+        # exactly the sample rows and no prompt logprobs read them afterwards.
+        if not inputs.prompt_logprobs and inputs.sample_rows == tuple(range(logits.shape[0])):
+            rows = logits                                                                     # [num_samples, V]
+        else:
+            rows = logits[list(inputs.sample_rows)]                                           # [num_samples, V]
+        out = self.sampler(rows, meta, self.generator, owned=True)
         token_ids = out.sampled_token_ids.tolist()
         for j, i in enumerate(inputs.sample_reqs):
             sampled[i] = (token_ids[j],)

@@ -58,6 +58,8 @@ class SamplingMetadata:
     # logprobs: k per row (None: not asked), and the largest k (None: no row asks).
     num_logprobs: tuple[int | None, ...]
     max_num_logprobs: int | None
+    # Every row's temperature is exactly 1 (greedy rows count as 1): the sampler skips the division.
+    temperature_all_one: bool = False
 
     @property
     def no_penalties(self) -> bool:
@@ -171,6 +173,7 @@ class SamplingMetadata:
 
         max_k = max((k for k in num_logprobs if k is not None), default=None)
         return cls(
+            temperature_all_one=all(x == 1.0 for x in temps),
             num_rows=num_rows, all_greedy=all_greedy, all_random=all_random,
             temperature=temperature, is_greedy=is_greedy, top_p=top_p, top_k=top_k, max_top_k=max_top_k, min_p=min_p,
             generators=tuple(generators),
