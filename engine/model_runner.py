@@ -64,6 +64,7 @@ class ModelRunner:
         self.load_seconds = 0.0
         self.cuda_graphs = None  # engine/cuda_graphs.DecodeGraphs once the KV cache exists (CUDA + Triton)
         self.warmup_seconds = 0.0
+        self.native_sampling = False
         if device.type == "cpu":
             torch.set_num_threads(cpu_thread_count(config.model.num_threads))
 
@@ -78,6 +79,8 @@ class ModelRunner:
         if hasattr(model, "finalize_weights"):
             model.finalize_weights()   # CPU bf16: prepacks every GEMM weight for oneDNN
         self.model = model.eval()
+        # The native CPU sampler (kernels/csrc/cpu_sample.c) reads bf16 logits directly.
+        self.native_sampling = getattr(getattr(model, "ops", None), "name", "") == "cpu-bf16-native"
         self.load_seconds = time.perf_counter() - t0
 
     def bytes_per_block(self) -> int:
@@ -195,7 +198,10 @@ class ModelRunner:
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.attn)        # [T, H]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)   # [T, H]
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])                     # [rows, V] fp32
+        # CPU bf16 with the native kernels: the sampler reads the model's bf16 logits itself (it
+        # converts them when a row needs more than a temperature); prompt logprobs need fp32.
+        keep = self.native_sampling and not inputs.prompt_logprobs
+        logits = self.model.compute_logits(hidden[inputs.logits_indices], keep_dtype=keep)   # [rows, V]
         num = len(sched.scheduled)
         sampled: list[tuple[int, ...]] = [()] * num
         logprobs: list[Logprobs | None] = [None] * num

@@ -41,6 +41,15 @@ class Sampler:
         the processing may edit it in place instead of a copy (at batch 256 x 49k vocab the copy
         alone took 12 ms per step)."""
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, (logits.shape, meta.num_rows)
+        # CPU: one uniform number per random row, drawn once here whichever path uses it.
+        u = None if meta.all_greedy or logits.device.type != "cpu" else _uniform_per_row(
+            meta.num_rows, meta.generators, default_generator)
+        fast = None
+        if logits.dtype == torch.bfloat16 and logits.device.type == "cpu":  # the runner's model logits
+            fast = _sample_plain_rows_native(logits, meta, u)
+            if fast is not None and all(meta.plain_rows):
+                return SamplerOutput(sampled_token_ids=fast, logprobs=[None] * meta.num_rows)
+            logits, owned = logits.float(), True
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
@@ -50,7 +59,9 @@ class Sampler:
             logits = logits.to(torch.float32, copy=True)
         apply_logits_processors(logits, meta)
 
-        sampled = self._sample(logits, meta, default_generator)     # [num_rows] int64
+        sampled = self._sample(logits, meta, u, default_generator)    # [num_rows] int64
+        if fast is not None:  # plain rows keep the native draw, whatever else is in the batch
+            sampled = torch.where(torch.tensor(meta.plain_rows), fast, sampled)
         logprobs: list[Logprobs | None] = [None] * meta.num_rows
         if raw_logprobs is not None:
             logprobs = _gather_sample_logprobs(raw_logprobs, sampled, meta.num_logprobs,
@@ -58,8 +69,8 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata,
-                default_generator: torch.Generator | None) -> torch.Tensor:
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor | None,
+                default_generator: torch.Generator | None = None) -> torch.Tensor:
         # An empty batch counts as all greedy: argmax of [0, vocab] is the empty answer.
         if meta.all_greedy:
             return logits.argmax(dim=-1)                              # [num_rows]
@@ -70,8 +81,8 @@ class Sampler:
             lp.apply_min_p(logits, meta.min_p)
         lp.apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
         probs = logits.softmax(dim=-1)                                # [num_rows, vocab]
-        if probs.device.type == "cpu":
-            random = _inverse_cdf_sample(probs, meta.generators, default_generator)
+        if u is not None:
+            random = _inverse_cdf_sample(probs, u)
         else:
             q = _exponential_noise(probs, meta.generators, default_generator)
             random = probs.div_(q).argmax(dim=-1)                     # [num_rows]
@@ -94,25 +105,47 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> Non
                            meta.presence_penalties)
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, generators: tuple[tuple[int, torch.Generator], ...],
-                        default_generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from `probs` [num_rows, vocab] by inverting its cumulative sum (CPU).
+def _uniform_per_row(num_rows: int, generators: tuple[tuple[int, torch.Generator], ...],
+                     default_generator: torch.Generator | None) -> torch.Tensor:  # [num_rows] float32
+    """U[0, 1) per row: seeded rows from their own generator (exactly one draw per step, whatever
+    the batch), the others from `default_generator`."""
+    u = torch.empty(num_rows, dtype=torch.float32)
+    if len(generators) < num_rows:
+        u.uniform_(generator=default_generator)
+    for row, gen in generators:
+        u[row:row + 1].uniform_(generator=gen)
+    return u
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from `probs` [num_rows, vocab] by inverting its cumulative sum at u [num_rows] (CPU).
 
     NOTE: why not the exponential race here: it needs a random number per vocabulary entry, and
     on CPU drawing them (single-threaded) took 9 ms per step at batch 64 x 49k vocab, 7% of a whole
-    throughput run; this draws one number per row. Both sample exactly the same distribution.
-    A seeded row draws exactly one number per step from its own generator, whatever the batch.
+    throughput run; this uses one number per row. Both sample exactly the same distribution.
     Tokens with probability 0 (filtered out) have a zero-width interval and are never chosen:
     the search returns the first entry whose cumulative sum exceeds u * total.
     """
     cdf = probs.cumsum_(dim=-1)                                       # [num_rows, vocab], in place
-    u = torch.empty(probs.shape[0], 1, dtype=cdf.dtype)               # [num_rows, 1]
-    if len(generators) < probs.shape[0]:
-        u.uniform_(generator=default_generator)
-    for row, gen in generators:
-        u[row].uniform_(generator=gen)
-    token = torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True)  # [num_rows, 1]
+    target = (u.unsqueeze(1) * cdf[:, -1:]).to(cdf.dtype)             # [num_rows, 1]
+    token = torch.searchsorted(cdf, target, right=True)               # [num_rows, 1]
     return token.clamp_(max=probs.shape[1] - 1).squeeze(1)
+
+
+def _sample_plain_rows_native(logits: torch.Tensor, meta: SamplingMetadata,
+                              u: torch.Tensor | None) -> torch.Tensor | None:
+    """Every row drawn by the native kernel (kernels/csrc/cpu_sample.c) straight from bf16 logits
+    as if it were plain (temperature only; greedy rows: argmax); the caller keeps the plain rows'.
+    None: no native kernels here."""
+    from vbatch.kernels import cpu_native
+    kernels = cpu_native.load()
+    if kernels is None:
+        return None
+    temperature = torch.zeros(meta.num_rows) if meta.temperature is None else meta.temperature.clone()
+    if meta.is_greedy is not None:
+        temperature[meta.is_greedy] = 0.0
+    return kernels.sample_bf16(logits, temperature, torch.zeros(meta.num_rows) if u is None else u,
+                               torch.get_num_threads())
 
 
 def _exponential_noise(probs: torch.Tensor, generators: tuple[tuple[int, torch.Generator], ...],

@@ -60,6 +60,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # Every row's temperature is exactly 1 (greedy rows count as 1): the sampler skips the division.
     temperature_all_one: bool = False
+    # Per row: only a temperature (or greedy) acts on it: no truncation, penalties, masks, bias or
+    # logprobs. Such rows may be sampled straight from the model's logits (engine/sampler.py).
+    plain_rows: tuple[bool, ...] = ()
 
     @property
     def no_penalties(self) -> bool:
@@ -172,8 +175,11 @@ class SamplingMetadata:
                 allowed_mask[j, t([x for x in ids if x < vocab_size], i64)] = True
 
         max_k = max((k for k in num_logprobs if k is not None), default=None)
+        touched = set(penalty_rows) | set(banned_rows) | set(bias_rows) | {i for i, _ in allowed}
+        plain = tuple(num_logprobs[i] is None and i not in touched and top_ps[i] >= 1.0 and top_ks[i] >= vocab_size
+                      and min_ps[i] <= 0.0 for i in range(num_rows))
         return cls(
-            temperature_all_one=all(x == 1.0 for x in temps),
+            temperature_all_one=all(x == 1.0 for x in temps), plain_rows=plain,
             num_rows=num_rows, all_greedy=all_greedy, all_random=all_random,
             temperature=temperature, is_greedy=is_greedy, top_p=top_p, top_k=top_k, max_top_k=max_top_k, min_p=min_p,
             generators=tuple(generators),

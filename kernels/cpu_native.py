@@ -34,7 +34,7 @@ logger = logging.getLogger("vbatch.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
-           CSRC / "cpu_decoder_layer.c")
+           CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c")
 HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
          "-std=gnu11", "-ffp-contract=fast", "-Wall")
@@ -160,6 +160,20 @@ class NativeKernels:
         if rc != 0:
             raise NativeKernelError(f"native decoder layer: {_ERRORS.get(rc, f'error {rc}')}")
 
+    def sample_bf16(self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                    num_threads: int) -> torch.Tensor:
+        """logits [rows, vocab] bf16 (unit element stride); temperature [rows] (0: greedy), u [rows]
+        in [0, 1) -> [rows] int64 token ids (cpu_sample.c)."""
+        assert logits.stride(1) == 1
+        temperature = temperature.to(torch.float32).contiguous()
+        u = u.to(torch.float32).contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        rc = self.library.vb_sample_bf16(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+                                         temperature.data_ptr(), u.data_ptr(), out.data_ptr(), num_threads)
+        if rc != 0:
+            raise NativeKernelError(f"native sampler: {_ERRORS.get(rc, f'error {rc}')}")
+        return out
+
     @functools.cached_property
     def has_small_linear(self) -> bool:
         """Whether this build has the small-rows linear kernel (it needs avx512_bf16)."""
@@ -218,6 +232,9 @@ def _bind(path: Path) -> NativeKernels:
         fn.argtypes, fn.restype = argtypes, None
     fn = lib.vb_decoder_layer_bf16
     fn.argtypes = [p, p, p, p, p, p, i32, i32]
+    fn.restype = ctypes.c_int
+    fn = lib.vb_sample_bf16
+    fn.argtypes = [p, i64, i32, i32, p, p, p, i32]
     fn.restype = ctypes.c_int
     return NativeKernels(lib, path)
 

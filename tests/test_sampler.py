@@ -427,3 +427,69 @@ def test_sampler_does_not_modify_the_callers_logits():
 def test_empty_batch():
     out = sample([], torch.zeros(0, 10), vocab=10)
     assert out.sampled_token_ids.shape == (0,) and out.logprobs == []
+
+
+# ------------------------------------------------------------------ bf16 logits: the native plain-row path
+# The model runner hands the sampler its bf16 logits on CPU when the native kernels are built
+# (kernels/csrc/cpu_sample.c): rows that use only a temperature are drawn there, the others by
+# the torch path above on the same (upcast) logits and the same per-row uniform numbers.
+
+def _native_or_skip():
+    from vbatch.kernels import cpu_native
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler: the native kernels were not built")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+@pytest.mark.parametrize("vocab", [5, 37])  # 37: a partial last block of 16
+def test_bf16_plain_rows_match_the_probabilities(temperature, vocab):
+    _native_or_skip()
+    probs = torch.rand(vocab, generator=torch.Generator().manual_seed(vocab)) + 0.05
+    probs[1] = 0.0                                   # log 0 = -inf: never drawn
+    logits = (probs / probs.sum()).log().to(torch.bfloat16)
+    powered = (logits.float() / temperature).softmax(-1)   # the exact target for the bf16 logits
+    num = 4000
+    reqs = [make_request(i, vocab=vocab, temperature=temperature) for i in range(num)]
+    tokens = sample(reqs, logits.expand(num, vocab).contiguous()).sampled_token_ids
+    freqs = torch.bincount(tokens, minlength=vocab).float() / num
+    assert freqs[1] == 0
+    assert torch.allclose(freqs, powered, atol=0.03), (freqs, powered)
+
+
+def test_bf16_greedy_is_the_first_argmax():
+    _native_or_skip()
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 0.0, 3.0, 0.0]]).to(torch.bfloat16)
+    reqs = [make_request(0, vocab=4, temperature=0.0), make_request(1, vocab=4, temperature=0.0)]
+    assert sample(reqs, logits).sampled_token_ids.tolist() == [1, 0]
+
+
+def test_bf16_rows_that_need_more_than_a_temperature_take_the_torch_path():
+    _native_or_skip()
+    torch.manual_seed(3)
+    logits = torch.randn(4, VOCAB).to(torch.bfloat16)
+    def fresh():
+        return [make_request("topk", vocab=VOCAB, top_k=3), make_request("plain", vocab=VOCAB),
+                make_request("logprobs", vocab=VOCAB, logprobs=2), make_request("greedy", vocab=VOCAB, temperature=0)]
+    got = sample(fresh(), logits, seed=5)
+    want = sample(fresh(), logits.float(), seed=5)   # the torch path on the upcast logits, same draws
+    assert got.sampled_token_ids[[0, 2, 3]].tolist() == want.sampled_token_ids[[0, 2, 3]].tolist()
+    assert got.logprobs[2] is not None and got.logprobs[0] is None
+
+
+def test_bf16_seeded_plain_row_is_batch_invariant_next_to_rows_of_the_torch_path():
+    _native_or_skip()
+    def run(groups, steps, default_seed=99):
+        sampler, default = Sampler(), torch.Generator().manual_seed(default_seed)
+        for step in range(steps):
+            batch = groups[step % len(groups)]
+            logits = torch.stack([next_logits(r) for r in batch]).to(torch.bfloat16)
+            meta = SamplingMetadata.build(batch, vocab_size=VOCAB, device=CPU)
+            for r, t in zip(batch, sampler(logits, meta, default).sampled_token_ids.tolist()):
+                r.append_output_token(t)
+    alone = make_request("alone", prompt=[1], vocab=VOCAB, seed=1234)
+    run([[alone]], 30)
+    target = make_request("t", prompt=[1], vocab=VOCAB, seed=1234)
+    others = [seeded(f"s{i}", 7 + i) for i in range(2)] + [make_request(f"u{i}", prompt=[1], vocab=VOCAB)
+                                                           for i in range(2)]
+    run([[target] + others[:2], others[2:] + [target], [others[3], target, others[0]]], 90)
+    assert target.output_token_ids[:30] == alone.output_token_ids

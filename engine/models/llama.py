@@ -196,11 +196,14 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.shape.rms_norm_eps)
         return hidden  # [T, hidden]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab], fp32 (keep_dtype: the model's dtype, for a sampler that reads it)."""
         if self.logits_head is not None:
-            return self.logits_head(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = self.logits_head(hidden)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight)
+        return logits if keep_dtype else logits.float()
 
     @torch.no_grad()
     def finalize_weights(self) -> None:

@@ -58,6 +58,23 @@ typedef struct {
 
 typedef struct { int32_t req, head_begin, head_end, row_begin, row_end; } Item;
 
+/* Where one item's request lives: its cache strides, block table and query rows. */
+typedef struct {
+    int64_t row_stride, block_stride;  /* elements between cache rows (positions), blocks */
+    const int32_t *table;              /* the request's block table */
+    int q_begin, first_pos;            /* its first query row; the absolute position of that row */
+} ItemView;
+
+static inline ItemView item_view(const Problem *p, const Item *it, int head_dim) {
+    ItemView v;
+    v.row_stride = (int64_t)p->num_kv_heads * head_dim;
+    v.block_stride = (int64_t)p->block_size * v.row_stride;
+    v.table = p->block_tables + (int64_t)it->req * p->table_stride;
+    v.q_begin = p->query_start[it->req];
+    v.first_pos = p->seq_lens[it->req] - (p->query_start[it->req + 1] - v.q_begin);
+    return v;
+}
+
 /* Per-thread scratch for one item: running softmax state and accumulators of every head. */
 typedef struct {
     float scores[MAX_GROUP * MAX_BLOCK_SIZE];  /* [G, block_size rounded up to 16] of the current block */
@@ -135,12 +152,11 @@ static inline __attribute__((always_inline)) void block_scores(
  * Causal limits differ per row: lanes past a row's position are masked out of the softmax. */
 static inline __attribute__((always_inline)) void attend_rows_tiled(
         const Problem *p, const Item *it, Scratch *sc, const int NV, const int G) {
-    const int D = NV * 16, DP = D / 2, Hk = p->num_kv_heads, Hq = p->num_q_heads, BS = p->block_size;
-    const int64_t row_stride = (int64_t)Hk * D, block_stride = (int64_t)BS * row_stride;
-    const int32_t *table = p->block_tables + (int64_t)it->req * p->table_stride;
-    const int q_begin = p->query_start[it->req];
-    const int q_len = p->query_start[it->req + 1] - q_begin;
-    const int first_pos = p->seq_lens[it->req] - q_len;  /* absolute position of the request's row 0 */
+    const int D = NV * 16, DP = D / 2, Hq = p->num_q_heads, BS = p->block_size;
+    const ItemView iv = item_view(p, it, D);
+    const int64_t row_stride = iv.row_stride, block_stride = iv.block_stride;
+    const int32_t *table = iv.table;
+    const int q_begin = iv.q_begin, first_pos = iv.first_pos;
     const int r0 = it->row_begin, R = it->row_end - it->row_begin;
     const int len_max = first_pos + it->row_end;         /* the item's last row sees positions < this */
     const __m512 scale = _mm512_set1_ps(p->scale);
@@ -222,12 +238,11 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
  * below, so the query and accumulator vectors of one kv head live in registers. */
 static inline __attribute__((always_inline)) void attend_item(
         const Problem *p, const Item *it, Scratch *sc, const int NV, const int G) {
-    const int D = NV * 16, Hk = p->num_kv_heads, Hq = p->num_q_heads, BS = p->block_size;
-    const int64_t row_stride = (int64_t)Hk * D, block_stride = (int64_t)BS * row_stride;
-    const int32_t *table = p->block_tables + (int64_t)it->req * p->table_stride;
-    const int q_begin = p->query_start[it->req];
-    const int q_len = p->query_start[it->req + 1] - q_begin;
-    const int first_pos = p->seq_lens[it->req] - q_len;  /* absolute position of the request's row 0 */
+    const int D = NV * 16, Hq = p->num_q_heads, BS = p->block_size;
+    const ItemView iv = item_view(p, it, D);
+    const int64_t row_stride = iv.row_stride, block_stride = iv.block_stride;
+    const int32_t *table = iv.table;
+    const int q_begin = iv.q_begin, first_pos = iv.first_pos;
     const int h0 = it->head_begin, nh = it->head_end - it->head_begin;
 #if HAVE_DPBF16
     if (NV % 2 == 0 && BS % 16 == 0 && it->row_end - it->row_begin >= TILED_MIN_ROWS) {
