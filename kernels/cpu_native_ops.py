@@ -12,6 +12,7 @@ nothing else reads) and returns them; the reference returns new tensors.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -120,11 +121,15 @@ class _Step:
                              *(t.data_ptr() for t in self.scratch))
 
 
-_step: _Step | None = None
+# The current forward's step, per thread (two engines may run in two threads of one process).
+_steps = threading.local()
 
 
 def _layer_struct(layer):
-    """The layer's VbLayer, built once and kept on the module (None: the layer is not all native)."""
+    """The layer's VbLayer, built once and kept on the module (None: the layer is not all native).
+
+    NOTE: it holds raw pointers to the layer's weights as they are after `finalize_weights`; the
+    model never replaces them afterwards (loading happens once, before the first step)."""
     cached = getattr(layer, "_vb_native_layer", False)
     if cached is not False:
         return cached
@@ -150,19 +155,19 @@ def decoder_layer(layer, positions: torch.Tensor, hidden: torch.Tensor, residual
     """`layer(positions, hidden, residual, kv_cache, attn, rope)`, in one native call when the step
     has at most FUSED_LAYER_MAX_ROWS tokens (decode at small batch); the module's own forward
     (the ops one by one) otherwise. Same results: each step of the native layer is the native op."""
-    global _step
     rows = hidden.shape[0]
     struct = _layer_struct(layer) if 0 < rows <= FUSED_LAYER_MAX_ROWS else None
     key_cache, value_cache = kv_cache
     if (struct is None or not isinstance(rope, tuple) or hidden.dtype != torch.bfloat16
             or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
         return layer(positions, hidden, residual, kv_cache, attn, rope)
-    if _step is None or _step.attn is not attn or _step.tables is not rope:
-        _step = _Step(attn, rope, rows, layer)
+    step = getattr(_steps, "current", None)
+    if step is None or step.attn is not attn or step.tables is not rope:
+        step = _steps.current = _Step(attn, rope, rows, layer)
     first = residual is None
     hidden = hidden.contiguous()
     if first:
         residual = torch.empty_like(hidden)
-    _kernels().decoder_layer_bf16(struct, _step.struct, key_cache, value_cache, hidden, residual, first,
+    _kernels().decoder_layer_bf16(struct, step.struct, key_cache, value_cache, hidden, residual, first,
                                   torch.get_num_threads())
     return hidden, residual
