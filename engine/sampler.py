@@ -46,9 +46,10 @@ class Sampler:
             meta.num_rows, meta.generators, default_generator)
         fast = None
         if logits.dtype == torch.bfloat16 and logits.device.type == "cpu":  # the runner's model logits
-            fast = _sample_plain_rows_native(logits, meta, u)
-            if fast is not None and all(meta.plain_rows):
-                return SamplerOutput(sampled_token_ids=fast, logprobs=[None] * meta.num_rows)
+            if any(meta.plain_rows):
+                fast = _sample_plain_rows_native(logits, meta, u)
+                if fast is not None and all(meta.plain_rows):
+                    return SamplerOutput(sampled_token_ids=fast, logprobs=[None] * meta.num_rows)
             logits, owned = logits.float(), True
         raw_logprobs = None
         if meta.max_num_logprobs is not None:

@@ -258,8 +258,10 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(name, monkeypatch):
     model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu")
     model.load_weights(hf.state_dict().items())
     model.finalize_weights()                                   # as the model runner does: packed linears
+    if not native.has_small_linear:
+        pytest.skip("this CPU has no avx512_bf16: the fused layer (built on the small-rows linear) is off")
     assert model.ops.decoder_layer is cpu_native_ops.decoder_layer
-    assert cpu_native_ops._layer_struct(model.layers[0]) is not None or not native.has_small_linear
+    assert cpu_native_ops._layer_struct(model.layers[0]) is not None
     calls = []
     real = cpu_native.NativeKernels.decoder_layer_bf16
     monkeypatch.setattr(cpu_native.NativeKernels, "decoder_layer_bf16",
