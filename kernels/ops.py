@@ -38,6 +38,10 @@ class Ops:
     # Called once per nn.Linear after the weights load; may return a faster module with the same
     # forward (CPU bf16: oneDNN-prepacked weights, kernels/cpu_linear.py). Default: keep it.
     pack_linear: Callable[[nn.Module], nn.Module] = lambda linear: linear
+    # Optional, CPU bf16 (kernels/cpu_linear.py): packs a gated MLP's merged [gate; up] Linear into a
+    # module with the same forward and a `silu_and_mul(x)` method equal to `silu_and_mul(module(x))`
+    # (SiLU and the product fused into the GEMMs). None: `pack_linear` packs it like any Linear.
+    pack_gate_up: Callable[[nn.Module], nn.Module] | None = None
     # Optional, CPU bf16 (kernels/cpu_rotary.py): `prepare_rotary(positions, cos_sin_cache, dtype)`
     # runs once per forward and the model passes its result to every layer's `apply_rotary` in
     # place of the cos/sin cache. None: `apply_rotary` gets the cache itself (the reference contract).
@@ -71,7 +75,8 @@ def _cpu_ops(dtype: torch.dtype) -> Ops:
     if not cpu_linear.can_pack(dtype):
         return REFERENCE_OPS
     ops = dataclasses.replace(REFERENCE_OPS, name="cpu-bf16", paged_attention=cpu_attention.paged_attention,
-                              pack_linear=cpu_linear.pack_linear, apply_rotary=cpu_rotary.apply_rotary,
+                              pack_linear=cpu_linear.pack_linear, pack_gate_up=cpu_linear.pack_gate_up,
+                              apply_rotary=cpu_rotary.apply_rotary,
                               prepare_rotary=cpu_rotary.prepare_rotary,
                               prepare_attention=cpu_attention.prepare_attention)
     if cpu_native.load() is not None:  # the C kernels (no C compiler: the torch paths above)

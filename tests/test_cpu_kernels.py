@@ -44,6 +44,36 @@ def test_packed_linear_matches_f_linear(rows, bias):
 
 
 @needs_bf16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 130])  # <= 4: small-rows kernel + native SiLU; above: fused GEMMs
+def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias):
+    from vbatch.kernels import activation_ref
+    torch.manual_seed(rows)
+    inter = 80
+    linear = nn.Linear(96, 2 * inter, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    packed = cpu_linear.pack_gate_up(linear)
+    assert isinstance(packed, cpu_linear.PackedGateUp)
+    product = F.linear(x, linear.weight, linear.bias)                     # [rows, 2 * inter]
+    assert torch.equal(packed(x), product) or (packed(x).double() - product.double()).abs().max() <= \
+        product.abs().amax().item() * 2 ** -8                              # the Linear's contract
+    got = packed.silu_and_mul(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    assert packed.silu_and_mul(x.view(1, rows, 96)).shape == (1, rows, inter)
+    # Oracle 1: the exact fp64 result; oracle 2: the reference op on the bf16 product.
+    exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
+    gate, up = exact[..., :inter], exact[..., inter:]
+    exact_act = gate * torch.sigmoid(gate) * up
+    reference = activation_ref.silu_and_mul(product)
+    scale = exact_act.abs().amax().item()
+    assert (got.double() - exact_act).abs().max().item() <= scale * 2 ** -6
+    assert (reference.double() - exact_act).abs().max().item() <= scale * 2 ** -6   # the same tolerance fits both
+    assert (got.double() - exact_act).abs().mean() <= 1.5 * (reference.double() - exact_act).abs().mean() + 1e-6
+    if rows <= cpu_linear.PackedLinear.SMALL_ROWS and packed.native is not None:
+        assert torch.equal(got, activation_ref.silu_and_mul(packed(x)))                                 # the small path is the separate ops
+
+
+@needs_bf16
 def test_packed_linear_keeps_leading_dims_and_fp32_stays_plain():
     linear = nn.Linear(32, 48).to(torch.bfloat16)
     x = torch.randn(2, 3, 32).to(torch.bfloat16)
@@ -61,6 +91,7 @@ def test_get_ops_binds_fast_cpu_paths_only_for_bf16():
         want = cpu_native_ops.paged_attention if cpu_native.load() else cpu_attention.paged_attention
         assert bf16_ops.paged_attention is want
         assert bf16_ops.pack_linear is cpu_linear.pack_linear
+        assert bf16_ops.pack_gate_up is cpu_linear.pack_gate_up
 
 
 def _random_step(context_lens, query_lens, block_size, num_kv_heads=2, group=3, head_dim=16, seed=0):

@@ -102,6 +102,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up, "silu_and_mul", None)  # Ops.pack_gate_up's module: one fused call
+        if fused is not None:
+            return self.down_proj(fused(hidden))
         return self.down_proj(self.ops.silu_and_mul(self.gate_up(hidden)))
 
 
@@ -214,7 +217,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv, attn.o_proj = self.ops.pack_linear(attn.qkv), self.ops.pack_linear(attn.o_proj)
-            mlp.gate_up, mlp.down_proj = self.ops.pack_linear(mlp.gate_up), self.ops.pack_linear(mlp.down_proj)
+            mlp.gate_up = (self.ops.pack_gate_up or self.ops.pack_linear)(mlp.gate_up)
+            mlp.down_proj = self.ops.pack_linear(mlp.down_proj)
         head = self.lm_head
         if head is None:
             with torch.device("meta"):
