@@ -100,6 +100,20 @@ def test_unsupported_shape_is_a_typed_error_and_the_op_falls_back():
     assert (got.float() - want.float()).abs().max().item() < 2e-2
 
 
+def test_native_attention_tiled_path_rescales_when_the_max_moves():
+    # The many-row path keeps its running max until a score exceeds it by more than LAZY_MAX (8):
+    # keys growing along the sequence make the max jump by tens at later chunks, and rows
+    # that see only the early chunks never rescale. Large logits (+-100) on a prefix and a prefill.
+    torch.manual_seed(3)
+    query, key_cache, value_cache, attn, _ = _random_step([30, 0], [50, 70], 16, head_dim=64)
+    query = (query.float() * 4).to(torch.bfloat16)
+    ramp = torch.linspace(0.2, 3.0, key_cache.shape[0] * key_cache.shape[1]).view(key_cache.shape[0], -1, 1, 1)
+    key_cache = (key_cache.float() * ramp).to(torch.bfloat16)
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, 1.0)
+    got = native.paged_attention_bf16(query, key_cache, value_cache, attn, 1.0, 2)
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
 def test_build_is_cached_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("VBATCH_CACHE", str(tmp_path))
     first = cpu_native.build()

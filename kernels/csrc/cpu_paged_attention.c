@@ -82,7 +82,8 @@ typedef struct {
     float *mx, *sum;                           /* [heads in item, G] */
     /* the tiled (many-row) path: one kv head at a time */
     float *tacc;                               /* [ROWS_PER_ITEM * G, D] */
-    float *tm, *tl;                            /* [ROWS_PER_ITEM * G] running max and sum */
+    float *tm;                                 /* [ROWS_PER_ITEM * G] running max */
+    float *tl;                                 /* [ROWS_PER_ITEM * G, 16] running sums, per lane */
     float *tp;                                 /* [ROWS_PER_ITEM * G, 16] softmax numerators of the chunk */
     uint32_t *kt;                              /* [D / 2, 16] the chunk's keys as bf16 pairs, transposed */
     float *vf;                                 /* [16, D] the chunk's values in fp32 */
@@ -144,6 +145,11 @@ static inline __attribute__((always_inline)) void block_scores(
 
 #if HAVE_DPBF16
 #define TILED_MIN_ROWS 4
+/* The tiled path keeps its running max until a score exceeds it by more than this (natural log
+ * units): exp(score - max) then stays below e^8 ~ 3e3, far inside fp32, the result is the same
+ * softmax, and the max reduction and rescale run only when the max really moves (measured: a
+ * third of the prefill attention time went to the per-chunk reductions). */
+#define LAZY_MAX 8.0f
 /* Many query rows of one request (prefill, chunked prefill): 16 positions at a time, every row of
  * the item against them. The chunk's keys are transposed once into bf16 pairs per lane
  * ([D/2][16 positions]), so q.k for one (row, head) is D/2 vdpbf16ps with the q pair broadcast,
@@ -161,7 +167,8 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
     const int len_max = first_pos + it->row_end;         /* the item's last row sees positions < this */
     const __m512 scale = _mm512_set1_ps(p->scale);
     for (int h = it->head_begin; h < it->head_end; ++h) {
-        for (int i = 0; i < R * G; ++i) { sc->tm[i] = -FLT_MAX; sc->tl[i] = 0.0f; }
+        for (int i = 0; i < R * G; ++i) sc->tm[i] = -FLT_MAX;
+        memset(sc->tl, 0, sizeof(float) * (size_t)R * G * 16);
         memset(sc->tacc, 0, sizeof(float) * (size_t)R * G * D);
         for (int s0 = 0; s0 < len_max; s0 += 16) {
             const int n = len_max - s0 < 16 ? len_max - s0 : 16;
@@ -196,14 +203,18 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
                     const __mmask16 valid = (__mmask16)((last >= 15 ? 0xFFFFu : (1u << (last + 1)) - 1u)
                                                         & ((1u << n) - 1u));
                     const __m512 sc16 = _mm512_mul_ps(acc[u], scale);
-                    const float top = _mm512_mask_reduce_max_ps(valid, sc16);
-                    const float m_old = sc->tm[i], m_new = top > m_old ? top : m_old, alpha = exp1(m_old - m_new);
-                    const __m512 e = _mm512_maskz_mov_ps(valid, (__m512)exp16((v16f)_mm512_sub_ps(sc16, _mm512_set1_ps(m_new))));
-                    sc->tl[i] = sc->tl[i] * alpha + _mm512_reduce_add_ps(e);
-                    sc->tm[i] = m_new;
-                    _mm512_store_ps(sc->tp + i * 16, e);
-                    if (alpha != 1.0f)
+                    float m = sc->tm[i];
+                    if (_mm512_mask_cmp_ps_mask(valid, sc16, _mm512_set1_ps(m + LAZY_MAX), _CMP_GT_OQ)) {
+                        /* a score above the running max (+ LAZY_MAX): move the max to this chunk's and
+                           rescale what was accumulated under the old one */
+                        const float top = _mm512_mask_reduce_max_ps(valid, sc16), alpha = exp1(m - top);
+                        m = sc->tm[i] = top;
+                        _mm512_store_ps(sc->tl + i * 16, _mm512_mul_ps(_mm512_load_ps(sc->tl + i * 16), _mm512_set1_ps(alpha)));
                         for (int c = 0; c < NV; ++c) *(v16f *)(sc->tacc + (int64_t)i * D + 16 * c) *= alpha;
+                    }
+                    const __m512 e = _mm512_maskz_mov_ps(valid, (__m512)exp16((v16f)_mm512_sub_ps(sc16, _mm512_set1_ps(m))));
+                    _mm512_store_ps(sc->tl + i * 16, _mm512_add_ps(_mm512_load_ps(sc->tl + i * 16), e));
+                    _mm512_store_ps(sc->tp + i * 16, e);
                 }
             }
             /* p.v, four (row, head) accumulators at a time: independent FMA chains, shared loads */
@@ -226,7 +237,7 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
             }
         }
         for (int i = 0; i < R * G; ++i) {
-            const float inv = 1.0f / sc->tl[i];
+            const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sc->tl + i * 16));
             bf16 *os = p->out + ((int64_t)(q_begin + r0 + i / G) * Hq + (int64_t)h * G + i % G) * D;
             for (int c = 0; c < NV; ++c) store_bf16x16(os + 16 * c, *(v16f *)(sc->tacc + (int64_t)i * D + 16 * c) * inv);
         }
@@ -416,7 +427,7 @@ int vb_attention_run_shared(const VbAttention *plan) {
     /* one aligned allocation: per-row state, then the tiled path's buffers (16-float aligned) */
     const size_t rg = (size_t)ROWS_PER_ITEM * group, up = 16;
     const size_t sizes[8] = {(size_t)heads_per_item * group * head_dim, (size_t)heads_per_item * group,
-                             (size_t)heads_per_item * group, rg * head_dim, rg, rg, rg * 16,
+                             (size_t)heads_per_item * group, rg * head_dim, rg, rg * 16, rg * 16,
                              (size_t)head_dim / 2 * 16 + (size_t)16 * head_dim};
     size_t total = 0;
     for (int j = 0; j < 8; ++j) total += (sizes[j] + up - 1) / up * up;
