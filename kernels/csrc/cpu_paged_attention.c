@@ -144,6 +144,30 @@ static inline __attribute__((always_inline)) void block_scores(
 }
 
 #if HAVE_DPBF16
+/* r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit elements (unpack 32, unpack 64, two 128-bit lane shuffles) */
+static inline __attribute__((always_inline)) void transpose16x16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; ++i) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 #define TILED_MIN_ROWS 4
 /* The tiled path keeps its running max until a score exceeds it by more than this (natural log
  * units): exp(score - max) then stays below e^8 ~ 3e3, far inside fp32, the result is the same
@@ -174,9 +198,14 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
             const int n = len_max - s0 < 16 ? len_max - s0 : 16;
             const int64_t base = (int64_t)table[s0 / BS] * block_stride + (int64_t)(s0 % BS) * row_stride + (int64_t)h * D;
             const bf16 *krows = p->key_cache + base, *vrows = p->value_cache + base;
+            for (int b = 0; b < DP; b += 16) {  /* keys transposed: kt[dp][j] = pair dp of position j */
+                __m512i r[16];
+                for (int j = 0; j < 16; ++j)
+                    r[j] = j < n ? _mm512_loadu_si512((const uint32_t *)(krows + j * row_stride) + b) : _mm512_setzero_si512();
+                transpose16x16_epi32(r);
+                for (int j = 0; j < 16; ++j) _mm512_store_si512(sc->kt + (b + j) * 16, r[j]);
+            }
             for (int j = 0; j < 16; ++j) {
-                const uint32_t *kr = (const uint32_t *)(krows + j * row_stride);
-                for (int dp = 0; dp < DP; ++dp) sc->kt[dp * 16 + j] = j < n ? kr[dp] : 0u;
                 for (int c = 0; c < NV; ++c)
                     *(v16f *)(sc->vf + j * D + 16 * c) = j < n ? load_bf16x16(vrows + j * row_stride + 16 * c) : splat(0.0f);
             }
