@@ -211,3 +211,22 @@ def test_peers_report_medians_ratios_and_fractions(tmp_path):
     assert "transformers (its best batch): **5.00x**" in text                 # 1000 / best(100, 200)
     assert "compute ceiling: **50%**" in text                                 # 1100 / 2200
     assert "bandwidth ceiling: **90%**" in text                               # 90 / 100
+
+
+# ---------------------------------------------------------------- bench/op_times.py (a script beside the package)
+def test_op_times_script_times_every_op_inside_the_step():
+    # A tiny real run: the decode steps (2 requests: the native whole-layer call, no nesting) must
+    # list the layer call and the logits head, and their times cannot exceed the steps' total.
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "bench" / "op_times.py"
+    done = subprocess.run([sys.executable, str(script), "--num-prompts", "2", "--input-len", "8", "--input-len-max",
+                           "12", "--output-len", "3", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    decode = done.stdout.split("decode steps:")[1]
+    times = {line.split(" s  ", 1)[1]: float(line.split(" s  ", 1)[0]) for line in decode.strip().splitlines()}
+    total = times.pop("execute_model (all of the step's model work)")
+    assert "decoder_layer" in times and "linear logits_head" in times
+    assert 0 < sum(times.values()) <= total + 0.0005 * len(times)  # printed to the millisecond
+    assert "linear qkv" in done.stdout.split("mixed steps:")[1]  # the prompt step runs the layers op by op
