@@ -26,15 +26,29 @@ needs_bf16 = pytest.mark.skipif(not cpu_linear.can_pack(torch.bfloat16),
                                 reason="this CPU/torch has no oneDNN bf16 (avx512_bf16) path")
 
 
+def _backend(name: str) -> cpu_linear.GemmBackend:
+    """oneDNN always; zentorch where its wheel loads (the `zen` extra).
+
+    NOTE: resolved inside the tests, not at collection: importing zentorch imports triton, and
+    tests/test_triton_kernels.py must be the first to import triton (with TRITON_INTERPRET set)."""
+    if name == "onednn":
+        return cpu_linear.ONEDNN
+    backend = cpu_linear._zentorch()
+    if backend is None:
+        pytest.skip("zentorch is not installed (the `zen` extra) or does not fit this torch")
+    return backend
+
+
 @needs_bf16
+@pytest.mark.parametrize("backend", ["onednn", "zentorch"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 4, 7, 64, 130])  # 1-4: the native small-rows kernel when built
-def test_packed_linear_matches_f_linear(rows, bias):
+def test_packed_linear_matches_f_linear(rows, bias, backend):
+    backend = _backend(backend)
     torch.manual_seed(rows)
     linear = nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, 96).to(torch.bfloat16)
-    packed = cpu_linear.pack_linear(linear)
-    assert isinstance(packed, cpu_linear.PackedLinear)
+    packed = cpu_linear.PackedLinear(linear, backend=backend)
     got = packed(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
     exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
@@ -44,16 +58,18 @@ def test_packed_linear_matches_f_linear(rows, bias):
 
 
 @needs_bf16
+@pytest.mark.parametrize("backend", ["onednn", "zentorch"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 130])  # <= 4: small-rows kernel + native SiLU; above: fused GEMMs
-def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias):
+def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias, backend):
     from vbatch.kernels import activation_ref
+    backend = _backend(backend)
     torch.manual_seed(rows)
     inter = 80
     linear = nn.Linear(96, 2 * inter, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, 96).to(torch.bfloat16)
-    packed = cpu_linear.pack_gate_up(linear)
-    assert isinstance(packed, cpu_linear.PackedGateUp)
+    packed = cpu_linear.PackedGateUp(linear, backend=backend)
+    assert isinstance(cpu_linear.pack_gate_up(linear), cpu_linear.PackedGateUp)
     product = F.linear(x, linear.weight, linear.bias)                     # [rows, 2 * inter]
     assert torch.equal(packed(x), product) or (packed(x).double() - product.double()).abs().max() <= \
         product.abs().amax().item() * 2 ** -8                              # the Linear's contract
@@ -71,6 +87,11 @@ def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias):
     assert (got.double() - exact_act).abs().mean() <= 1.5 * (reference.double() - exact_act).abs().mean() + 1e-6
     if rows <= cpu_linear.PackedLinear.SMALL_ROWS and packed.native is not None:
         assert torch.equal(got, activation_ref.silu_and_mul(packed(x)))                                 # the small path is the separate ops
+
+
+def test_zentorch_is_skipped_when_disabled(monkeypatch):
+    monkeypatch.setenv("VBATCH_ZENTORCH", "0")
+    assert cpu_linear._zentorch() is None
 
 
 @needs_bf16

@@ -2,7 +2,9 @@
 
 The kernels are defined at import, so TRITON_INTERPRET=1 is set just for the import below and
 again, by an autouse fixture, only while these tests run (triton imports parts of itself
-lazily at the first launch); other test modules never see it and never import triton.
+lazily at the first launch); other test modules never see it and must not import triton at
+collection (zentorch, the CPU GEMM extra, imports triton: tests/test_cpu_kernels.py loads it
+inside its tests, after this module has been collected).
 Oracles: the references in `vbatch.kernels.*_ref` (themselves tested against naive
 implementations and transformers in test_kernels_reference.py) and `sampling_ref`, whose
 Philox is checked against the published Random123 known-answer vectors. Shapes are tiny: the
