@@ -146,7 +146,9 @@ def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, ar
                     f"| {_fmt(lat and lat['output_tokens_per_s'])} | {load} |")
     versions = sorted({f"{r['label']} {r['version']}" for r in rows if r["version"]}
                       | {f"torch {rec['result']['torch']} ({rec['system']})" for rec in records
-                         if rec["result"].get("torch")})
+                         if rec["result"].get("torch")}
+                      | {f"{rec['result']['cpu_gemm']} ({rec['system']} GEMMs)" for rec in records
+                         if rec["result"].get("cpu_gemm")})
     command = "python " + " ".join(shlex.quote(a) for a in argv)
 
     text = "\n".join([

@@ -28,7 +28,8 @@ def _echo(line: str) -> None:
 
 
 def _summary_lines(report: dict[str, Any]) -> list[str]:
-    lines = [f"model {report['model']} ({report['dtype']}, {report['threads']} threads), "
+    gemm = f", {report['cpu_gemm']} GEMMs" if report.get("cpu_gemm") else ""
+    lines = [f"model {report['model']} ({report['dtype']}, {report['threads']} threads{gemm}), "
              f"engine built in {report['engine_build_s']:.1f} s (not timed)"]
     if "throughput" in report:
         r = report["throughput"]
@@ -149,6 +150,10 @@ def throughput(
         "input_len": str(lengths), "output_len": output_len, "seed": seed, "prompts_digest": prompts_digest(prompts),
         "torch": torch.__version__, "python": platform.python_version(),
     }
+    from vbatch.kernels.cpu_linear import describe
+    gemm = describe(llm.engine.runner.model)
+    if gemm is not None:
+        report["cpu_gemm"] = gemm   # the library behind the packed CPU linears
     if latency:
         _echo(f"latency: {num_iters} runs of 1 prompt x {output_len} tokens ...")
         report["latency"] = run_latency(llm, prompts[0], output_len, num_iters).to_dict()

@@ -87,6 +87,20 @@ def gemm_backend() -> GemmBackend:
     return backend
 
 
+def describe(model: nn.Module) -> str | None:
+    """The GEMM library of `model`'s packed linears ("zentorch 2.13.0.2", "onednn"), None if none is packed."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            if module.backend.name != "zentorch":
+                return module.backend.name
+            from importlib.metadata import PackageNotFoundError, version
+            try:
+                return f"zentorch {version('zentorch')}"
+            except PackageNotFoundError:
+                return "zentorch"
+    return None
+
+
 def can_pack(dtype: torch.dtype) -> bool:
     """True when this torch build and CPU run prepacked bf16 oneDNN linears."""
     if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():

@@ -194,6 +194,7 @@ def test_peers_report_medians_ratios_and_fractions(tmp_path):
     report = _peers_report()
     records = [_record("vbatch", "256", r, v, decode=d, lat_decode=90.0)
                for r, (v, d) in enumerate([(900.0, 1000.0), (1000.0, 1200.0), (1100.0, 1100.0)])]
+    records[0]["result"]["cpu_gemm"] = "zentorch 9.9"
     records += [_record("vllm", "256", r, v) for r, v in enumerate([500.0, 400.0, 600.0])]
     records += [_record("transformers", "32", r, 100.0) for r in range(3)]
     records += [_record("transformers", "64", r, 200.0) for r in range(3)]
@@ -211,6 +212,7 @@ def test_peers_report_medians_ratios_and_fractions(tmp_path):
     assert "transformers (its best batch): **5.00x**" in text                 # 1000 / best(100, 200)
     assert "compute ceiling: **50%**" in text                                 # 1100 / 2200
     assert "bandwidth ceiling: **90%**" in text                               # 90 / 100
+    assert "zentorch 9.9 (vbatch GEMMs)" in text                              # which GEMMs vbatch ran
 
 
 # ---------------------------------------------------------------- bench/op_times.py (a script beside the package)

@@ -89,6 +89,16 @@ def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias, backend):
         assert torch.equal(got, activation_ref.silu_and_mul(packed(x)))                                 # the small path is the separate ops
 
 
+@needs_bf16
+@pytest.mark.parametrize("backend", ["onednn", "zentorch"])
+def test_describe_names_the_gemm_library(backend):
+    backend = _backend(backend)
+    model = nn.Sequential(nn.Linear(32, 48).to(torch.bfloat16))
+    assert cpu_linear.describe(model) is None                              # nothing packed
+    model[0] = cpu_linear.PackedLinear(model[0], backend=backend)
+    assert cpu_linear.describe(model).split()[0] == backend.name
+
+
 def test_zentorch_is_skipped_when_disabled(monkeypatch):
     monkeypatch.setenv("VBATCH_ZENTORCH", "0")
     assert cpu_linear._zentorch() is None
