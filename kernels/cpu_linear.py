@@ -123,7 +123,8 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight in oneDNN's blocked layout; same forward signature and result.
+    """`nn.Linear` with its weight in its GEMM library's blocked layout (zentorch's or oneDNN's, see
+    `gemm_backend`); same forward signature and result.
 
     With the native kernels built (kernels/cpu_native.py), the plain [out, in] weight is kept too
     and up to `SMALL_ROWS` rows go through `cpu_linear_small.c` instead: oneDNN reads the weight at
