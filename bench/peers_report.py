@@ -21,6 +21,12 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def _highest(values):
+    """The largest measurement (a ceiling: interference only ever lowers a measured rate); None if none."""
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
 def _fmt(value, spec: str = ".1f", missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
@@ -82,11 +88,10 @@ def _ceiling_lines(rows: list[dict], ceilings: list[dict]) -> tuple[list[str], d
     if not ceilings or vb is None:
         return ["(no ceiling measurement)"], {}
     dtype = vb["dtype"] if vb["dtype"] in ceilings[0]["ceilings"] else "bfloat16"
-    # The best of the measurements: interference only ever lowers a measured rate.
-    gemm = max(c["rates"]["gemm_gflops"].get(dtype) for c in ceilings)
-    read = max(c["rates"]["read_gb_s"] for c in ceilings)
-    compute = max(c["ceilings"][dtype]["compute_tok_s"] for c in ceilings)
-    bandwidth = max(c["ceilings"][dtype]["bandwidth_tok_s"] for c in ceilings)
+    gemm = _highest(c["rates"]["gemm_gflops"].get(dtype) for c in ceilings)
+    read = _highest(c["rates"]["read_gb_s"] for c in ceilings)
+    compute = _highest(c["ceilings"][dtype]["compute_tok_s"] for c in ceilings)
+    bandwidth = _highest(c["ceilings"][dtype]["bandwidth_tok_s"] for c in ceilings)
     n = ceilings[0]["linear_params"]
     fractions = {"compute": vb["decode_tok_s"] / compute if vb["decode_tok_s"] else None,
                  "bandwidth": vb["latency_decode_tok_s"] / bandwidth if vb["latency_decode_tok_s"] else None}

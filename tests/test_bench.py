@@ -232,3 +232,17 @@ def test_op_times_script_times_every_op_inside_the_step():
     assert "decoder_layer" in times and "linear logits_head" in times
     assert 0 < sum(times.values()) <= total + 0.0005 * len(times)  # printed to the millisecond
     assert "linear qkv" in done.stdout.split("mixed steps:")[1]  # the prompt step runs the layers op by op
+
+
+def test_peers_report_ceilings_are_the_best_measurement():
+    # Ceilings before and after the runs: the larger rate counts (interference only lowers one),
+    # and a measurement without a bf16 GEMM rate is skipped, not a crash.
+    report = _peers_report()
+    rows = report.summarise([_record("vbatch", "256", 0, 100.0, decode=600.0, lat_decode=50.0)])
+    ceilings = [{"rates": {"gemm_gflops": {"bfloat16": 400.0}, "read_gb_s": 20.0}, "linear_params": 100,
+                 "ceilings": {"bfloat16": {"compute_tok_s": 1000.0, "bandwidth_tok_s": 80.0}}},
+                {"rates": {"gemm_gflops": {}, "read_gb_s": 25.0}, "linear_params": 100,
+                 "ceilings": {"bfloat16": {"compute_tok_s": 1200.0, "bandwidth_tok_s": 100.0}}}]
+    lines, fractions = report._ceiling_lines(rows, ceilings)
+    assert "400 GFLOP/s; memory read 25.0 GB/s" in lines[0]
+    assert fractions == {"compute": 0.5, "bandwidth": 0.5}                   # 600 / 1200, 50 / 100
