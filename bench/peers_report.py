@@ -154,6 +154,9 @@ def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, ar
                          if rec["result"].get("torch")}
                       | {f"{rec['result']['cpu_gemm']} ({rec['system']} GEMMs)" for rec in records
                          if rec["result"].get("cpu_gemm")})
+    startup = [f"{rec['system']}: engine built in {rec['result']['engine_build_s']:.1f} s; compiled in it: "
+               f"{rec['result']['compile_description']}" for rec in records
+               if rec["result"].get("compile_description") and "engine_build_s" in rec["result"]][:1]
     command = "python " + " ".join(shlex.quote(a) for a in argv)
 
     text = "\n".join([
@@ -184,6 +187,7 @@ def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, ar
         "## Machine and versions", "",
         *[f"- {k}: {v}" for k, v in facts.items()],
         f"- versions: {', '.join(versions)}",
+        *[f"- start-up, untimed (first run): {line}" for line in startup],
         "",
         "## Command", "", "```", command, "```", "",
         "## Measuring vbatch alone", "",

@@ -31,6 +31,8 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
     gemm = f", {report['cpu_gemm']} GEMMs" if report.get("cpu_gemm") else ""
     lines = [f"model {report['model']} ({report['dtype']}, {report['threads']} threads{gemm}), "
              f"engine built in {report['engine_build_s']:.1f} s (not timed)"]
+    if report.get("compile_description"):
+        lines.append(f"  compiled at start-up (inside the build): {report['compile_description']}")
     if "throughput" in report:
         r = report["throughput"]
         lines += [
@@ -154,6 +156,8 @@ def throughput(
     gemm = describe(llm.engine.runner.model)
     if gemm is not None:
         report["cpu_gemm"] = gemm   # the library behind the packed CPU linears
+    compiled = llm.engine.runner.compile_times()
+    report["compile"], report["compile_description"] = compiled.to_dict(), compiled.describe()
     if latency:
         _echo(f"latency: {num_iters} runs of 1 prompt x {output_len} tokens ...")
         report["latency"] = run_latency(llm, prompts[0], output_len, num_iters).to_dict()

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from .compile_times import CompileTimes
 from .config import EngineConfig
 from .cuda_graphs import capture_decode_graphs
 from .inputs import ModelInputs, prepare_inputs
@@ -189,6 +190,19 @@ class ModelRunner:
                 m.compute_logits(hidden)
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("CPU warm-up (kernel compilation) took %.1fs", self.warmup_seconds)
+
+    def compile_times(self) -> CompileTimes:
+        """What start-up compiled, and how long it took (kernels are never compiled inside a step)."""
+        ops_name = getattr(getattr(self.model, "ops", None), "name", "")
+        native = None
+        if ops_name == "cpu-bf16-native":
+            from vbatch.kernels import cpu_native
+            native = cpu_native.load()
+        return CompileTimes(
+            native_kernels_s=None if native is None else native.build_seconds,
+            native_kernels_compiled=None if native is None else native.compiled_now,
+            torch_compile_s=self.warmup_seconds if ops_name == "cpu-bf16" else None,
+            cuda_graphs_s=None if self.cuda_graphs is None else self.cuda_graphs.capture_seconds)
 
     # ------------------------------------------------------------------ per step
     @torch.inference_mode()

@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,11 @@ def _cache_dir() -> Path:
 
 def build(compiler: str | None = None) -> Path:
     """Compile the C source (or reuse an earlier build) and return the shared library's path."""
+    return _build(compiler)[0]
+
+
+def _build(compiler: str | None = None) -> tuple[Path, bool]:
+    """(library path, True when it was compiled now rather than reused from the cache)."""
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
@@ -91,7 +97,7 @@ def build(compiler: str | None = None) -> Path:
     key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_flags()]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "libvbatch_cpu.so"
     if target.exists():
-        return target
+        return target, False
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -104,13 +110,15 @@ def build(compiler: str | None = None) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
+    return target, True
 
 
 @dataclass(frozen=True)
 class NativeKernels:
     library: ctypes.CDLL
     path: Path
+    build_seconds: float = 0.0   # finding or compiling the library (compiling: about a second per source)
+    compiled_now: bool = False   # False: an earlier build of the same source, flags and compiler was reused
 
     def paged_attention_bf16(
         self,
@@ -214,7 +222,7 @@ class NativeKernels:
                                       key.shape[0], key.shape[1] * key.shape[2])
 
 
-def _bind(path: Path) -> NativeKernels:
+def _bind(path: Path, build_seconds: float = 0.0, compiled_now: bool = False) -> NativeKernels:
     lib = ctypes.CDLL(str(path))
     fn = lib.vb_paged_attention_bf16
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -236,7 +244,7 @@ def _bind(path: Path) -> NativeKernels:
     fn = lib.vb_sample_bf16
     fn.argtypes = [p, i64, i32, i32, p, p, p, i32]
     fn.restype = ctypes.c_int
-    return NativeKernels(lib, path)
+    return NativeKernels(lib, path, build_seconds, compiled_now)
 
 
 _loaded: NativeKernels | None | bool = False
@@ -249,7 +257,9 @@ def load() -> NativeKernels | None:
         _loaded = None
         if os.environ.get("VBATCH_CPU_NATIVE", "1") != "0":
             try:
-                _loaded = _bind(build())
+                t0 = time.perf_counter()
+                path, compiled_now = _build()
+                _loaded = _bind(path, time.perf_counter() - t0, compiled_now)
             except Exception as e:  # noqa: BLE001 - no compiler / failed build: the torch path runs instead
                 logger.warning("native CPU kernels unavailable (%s); using the compiled torch path", e)
     return _loaded

@@ -140,6 +140,13 @@ def test_bench_throughput_cli_tiny_run(tmp_path):
     assert r["output_tokens_per_s"] == pytest.approx(16 / r["elapsed_s"])
     assert r["prefill_phase_s"] + r["decode_phase_s"] == pytest.approx(r["elapsed_s"])
     assert report["threads"] == 1 and report["dataset"] == "random" and report["input_len"] == "16"
+    # what start-up compiled is reported (this CPU path: the native C kernels, or inductor without them)
+    compiled = report["compile"]
+    assert compiled["cuda_graphs_s"] is None
+    if report["dtype"] == "bfloat16":  # exactly one of the two CPU bf16 paths ran
+        seconds = [v for v in (compiled["native_kernels_s"], compiled["torch_compile_s"]) if v is not None]
+        assert len(seconds) == 1 and 0 <= seconds[0] <= report["engine_build_s"]
+    assert f"compiled at start-up (inside the build): {report['compile_description']}" in result.output
     # the same prompts a peer builds independently from the tokenizer and the seed
     folder = resolve_model("smollm2-135m-instruct", quiet=True).path
     added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
@@ -195,6 +202,7 @@ def test_peers_report_medians_ratios_and_fractions(tmp_path):
     records = [_record("vbatch", "256", r, v, decode=d, lat_decode=90.0)
                for r, (v, d) in enumerate([(900.0, 1000.0), (1000.0, 1200.0), (1100.0, 1100.0)])]
     records[0]["result"]["cpu_gemm"] = "zentorch 9.9"
+    records[0]["result"].update(engine_build_s=3.25, compile_description="native C kernels 0.1 s (reused build)")
     records += [_record("vllm", "256", r, v) for r, v in enumerate([500.0, 400.0, 600.0])]
     records += [_record("transformers", "32", r, 100.0) for r in range(3)]
     records += [_record("transformers", "64", r, 200.0) for r in range(3)]
@@ -213,6 +221,8 @@ def test_peers_report_medians_ratios_and_fractions(tmp_path):
     assert "compute ceiling: **50%**" in text                                 # 1100 / 2200
     assert "bandwidth ceiling: **90%**" in text                               # 90 / 100
     assert "zentorch 9.9 (vbatch GEMMs)" in text                              # which GEMMs vbatch ran
+    assert ("start-up, untimed (first run): vbatch: engine built in 3.2 s; compiled in it: native C kernels "
+            "0.1 s (reused build)") in text
 
 
 # ---------------------------------------------------------------- bench/op_times.py (a script beside the package)
@@ -246,3 +256,14 @@ def test_peers_report_ceilings_are_the_best_measurement():
     lines, fractions = report._ceiling_lines(rows, ceilings)
     assert "400 GFLOP/s; memory read 25.0 GB/s" in lines[0]
     assert fractions == {"compute": 0.5, "bandwidth": 0.5}                   # 600 / 1200, 50 / 100
+
+
+def test_compile_times_describe_each_kind():
+    from vbatch.engine.compile_times import CompileTimes
+    assert CompileTimes().describe() == "nothing compiled (reference ops)"
+    assert CompileTimes(native_kernels_s=1.25, native_kernels_compiled=True).describe() == \
+        "native C kernels 1.2 s (compiled now)"
+    both = CompileTimes(torch_compile_s=11.0, cuda_graphs_s=4.5)
+    assert both.describe() == "torch.compile warm-up 11.0 s, CUDA graph capture 4.5 s"
+    assert both.to_dict() == {"native_kernels_s": None, "native_kernels_compiled": None,
+                              "torch_compile_s": 11.0, "cuda_graphs_s": 4.5}
