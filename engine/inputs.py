@@ -14,6 +14,7 @@ import torch
 
 from vbatch.kernels.attention_metadata import AttentionMetadata
 
+from .models.output_rows import OutputRows
 from .scheduler_output import SchedulerOutput
 
 
@@ -37,6 +38,9 @@ class ModelInputs:
     sample_rows: tuple[int, ...]   # logits row of each sampling request, in `sample_reqs` order
     sample_reqs: tuple[int, ...]   # indices into SchedulerOutput.scheduled of the sampling requests
     prompt_logprobs: tuple[PromptLogprobsSlice, ...]
+    # The logits rows when they are each the last row of their request and fewer than the tokens
+    # (steps with prompt chunks, no prompt logprobs): the model's last layer runs on them only.
+    output_rows: OutputRows | None = None
 
 
 def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -102,12 +106,27 @@ def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device
         query_lens_list=tuple(query_lens.tolist()),
         seq_lens_list=tuple(seq_lens.tolist()),
     )
+    logits_indices = torch.tensor(logits_idx, dtype=torch.int64, device=device)
+    output_rows = None
+    # Pooling requests read hidden rows that get no logits (their pooler comes later): no pruning then.
+    if not plp and 0 < len(logits_idx) < num_tokens and not any(s.request.is_pooling for s in scheduled):
+        sel = np.asarray(sample_reqs, dtype=np.int64)
+        sel_seq_lens = seq_lens[sel]
+        output_rows = OutputRows(logits_indices, AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping[logits_idx]).to(device),
+            query_start_loc=torch.arange(len(sel) + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.from_numpy(sel_seq_lens.astype(np.int32)).to(device),
+            context_lens=torch.from_numpy((sel_seq_lens - 1).astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(block_tables[sel]).to(device),
+            block_size=block_size, max_query_len=1, max_seq_len=int(sel_seq_lens.max()),
+            query_lens_list=(1,) * len(sel), seq_lens_list=tuple(sel_seq_lens.tolist())))
     return ModelInputs(
         input_ids=torch.from_numpy(input_ids).to(device),
         positions=torch.from_numpy(positions).to(device),
         attn=attn,
-        logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
+        logits_indices=logits_indices,
         sample_rows=tuple(sample_rows),
         sample_reqs=tuple(sample_reqs),
         prompt_logprobs=tuple(plp),
+        output_rows=output_rows,
     )

@@ -208,14 +208,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         inputs = prepare_inputs(sched, self.block_size, self.device)
+        pruned = False
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.attn):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.attn)        # [T, H]
+        elif inputs.output_rows is not None and getattr(self.model, "prunes_last_layer", False):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
+                                inputs.output_rows)                                        # [rows, H]
+            pruned = True
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)   # [T, H]
+        if not pruned:
+            hidden = hidden[inputs.logits_indices]                                          # [rows, H]
         # CPU bf16 with the native kernels: the sampler reads the model's bf16 logits itself (it
         # converts them when a row needs more than a temperature); prompt logprobs need fp32.
         keep = self.native_sampling and not inputs.prompt_logprobs
-        logits = self.model.compute_logits(hidden[inputs.logits_indices], keep_dtype=keep)   # [rows, V]
+        logits = self.model.compute_logits(hidden, keep_dtype=keep)                         # [rows, V]
         num = len(sched.scheduled)
         sampled: list[tuple[int, ...]] = [()] * num
         logprobs: list[Logprobs | None] = [None] * num

@@ -2,7 +2,7 @@
 
 Built by the model runner from a transformers config (via `registry.get_model_class`), filled by
 `load_weights` from Hugging Face parameter names, then called once per step with the flattened
-batch: `forward(input_ids, positions, kv_caches, attn) -> hidden`, `compute_logits(hidden)`.
+batch: `forward(input_ids, positions, kv_caches, attn[, output_rows]) -> hidden`, `compute_logits(hidden)`.
 Every op goes through the `Ops` chosen once at construction (`kernels.ops.get_ops`); the
 attention metadata is an argument, never global state.
 
@@ -24,6 +24,7 @@ from ...kernels.attention_metadata import AttentionMetadata
 from ...kernels.ops import Ops, build_rope_cache, get_ops
 from ...kernels.rotary_ref import SUPPORTED_ROPE_TYPES, rope_type_of
 from ..errors import ModelLoadError, UnsupportedModelError
+from .output_rows import OutputRows
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, Hk, D]
 
@@ -81,7 +82,7 @@ class LlamaAttention(nn.Module):
         self.scale = s.head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                attn: AttentionMetadata, rope_cache: Any) -> torch.Tensor:
+                attn: AttentionMetadata, rope_cache: Any, output_rows: OutputRows | None = None) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.s.num_q_heads, self.s.head_dim)   # [T, Hq, D]
@@ -90,8 +91,10 @@ class LlamaAttention(nn.Module):
         q, k = self.ops.apply_rotary(positions, q, k, rope_cache)
         key_cache, value_cache = kv_cache
         self.ops.write_kv_cache(k, v, key_cache, value_cache, attn.slot_mapping)
-        out = self.ops.paged_attention(q, key_cache, value_cache, attn, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        if output_rows is not None:  # the last layer: every token's K/V is written, only these rows go on
+            q, attn = q[output_rows.indices], output_rows.attn                 # [N, Hq, D]
+        out = self.ops.paged_attention(q, key_cache, value_cache, attn, self.scale)  # [T or N, Hq, D]
+        return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -119,14 +122,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, attn: AttentionMetadata,
-                rope_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:  # cache or Ops.prepare_rotary tables
+                rope_cache: Any,  # the cache or Ops.prepare_rotary tables
+                output_rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried un-normalised; each norm folds in the previous add.
         if residual is None:
             residual = hidden
             hidden = self.ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn, rope_cache)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn, rope_cache, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows.indices]                            # [N, hidden]
         hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(hidden), residual
 
@@ -135,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama 2/3 and SmolLM2; the base of the Qwen2 and Mistral variants below."""
 
     qkv_bias_default = False  # Qwen2 hard-wires q/k/v biases (its config has no attention_bias)
+    prunes_last_layer = True  # forward takes output_rows (models/output_rows.py)
     o_bias_follows_attention_bias = True
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
@@ -181,8 +188,10 @@ class LlamaForCausalLM(nn.Module):
         """Shape of one layer's key cache (and, separately, its value cache)."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn: AttentionMetadata, output_rows: OutputRows | None = None) -> torch.Tensor:
+        """[T] token ids -> [T, hidden]; with `output_rows`, [N, hidden] for those rows only (their last
+        layer skips the other rows after the KV write: models/output_rows.py)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         # Ops with a per-step rotary table (CPU bf16) gather cos/sin once here, not in every layer.
@@ -190,14 +199,19 @@ class LlamaForCausalLM(nn.Module):
                 else self.ops.prepare_rotary(positions, self.rope_cache, self.dtype))
         if self.ops.prepare_attention is not None:  # CPU bf16: decode slot table once per step
             attn = self.ops.prepare_attention(attn)
+            if output_rows is not None:
+                output_rows = OutputRows(output_rows.indices, self.ops.prepare_attention(output_rows.attn))
         run = self.ops.decoder_layer  # CPU bf16 native: a whole layer per call at small batch
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            if run is None:
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i == last and output_rows is not None:
+                hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope, output_rows)
+            elif run is None:
                 hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope)
             else:
                 hidden, residual = run(layer, positions, hidden, residual, kv_cache, attn, rope)
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.shape.rms_norm_eps)
-        return hidden  # [T, hidden]
+        return hidden  # [T or N, hidden]
 
     def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """[N, hidden] -> [N, vocab], fp32 (keep_dtype: the model's dtype, for a sampler that reads it)."""
