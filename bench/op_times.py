@@ -6,8 +6,9 @@ Runs the issue's workload shape (prompts of 128-512 random tokens, 128 output to
 1, EOS ignored) through `LLM.generate` with a wall-clock timer around every `Ops` function, every
 Linear module's forward (and a fused gate/up module's `silu_and_mul`) and the runner's
 `execute_model`, and prints the seconds per name for steps that carry prompt tokens ("mixed")
-and pure decode steps. Timers add a few microseconds per call; the native whole-layer call at 1-4
-rows is timed as one `decoder_layer`. docs/performance.md's round-5 breakdown comes from here.
+and pure decode steps, then the steps' phases (schedule, inputs, forward, logits head, sampler,
+scheduler update, output processing) in ms per step. Timers add a few microseconds per call; the
+native whole-layer call at 1-4 rows is timed as one `decoder_layer`. docs/performance.md's round-5 breakdown comes from here.
 Run it in its own high-priority session on a shared machine (REFERENCE 8):
     setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/op_times.py
 """
@@ -36,13 +37,15 @@ def main() -> None:
     engine = llm.engine
     runner, model = engine.runner, engine.runner.model
     seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
+    phases: dict[tuple[str, str], float] = collections.defaultdict(float)
+    steps: collections.Counter = collections.Counter()
     kind = ["mixed"]
 
-    def timed(fn: Callable, name: str) -> Callable:
+    def timed(fn: Callable, name: str, into: dict = seconds) -> Callable:
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
-            seconds[(kind[0], name)] += time.perf_counter() - t
+            into[(kind[0], name)] += time.perf_counter() - t
             return out
         return wrapper
 
@@ -62,11 +65,23 @@ def main() -> None:
     schedule = engine.scheduler.schedule
 
     def schedule_and_classify():
+        t = time.perf_counter()
         out = schedule()
         kind[0] = "decode" if out.num_scheduled_tokens == len(out.scheduled) else "mixed"
+        phases[(kind[0], "schedule")] += time.perf_counter() - t
+        steps[kind[0]] += not out.is_empty
         return out
     engine.scheduler.schedule = schedule_and_classify
     runner.execute_model = timed(runner.execute_model, "execute_model (all of the step's model work)")
+    # The step's phases (a second table): the engine loop around the model.
+    import vbatch.engine.model_runner as model_runner
+    model_runner.prepare_inputs = timed(model_runner.prepare_inputs, "prepare_inputs", phases)
+    model.forward = timed(model.forward, "model forward", phases)
+    model.compute_logits = timed(model.compute_logits, "logits head", phases)
+    runner._sample = timed(runner._sample, "sampler", phases)
+    engine.scheduler.update_from_output = timed(engine.scheduler.update_from_output, "update_from_output", phases)
+    engine.output_processor.process = timed(engine.output_processor.process, "output processing", phases)
+    engine.step = timed(engine.step, "whole step", phases)
 
     rng = random.Random(0)
     vocab = engine.vocab_size
@@ -75,6 +90,8 @@ def main() -> None:
                for _ in range(args.num_prompts)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, not counted
     seconds.clear()
+    phases.clear()
+    steps.clear()
     t = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True))
     wall = time.perf_counter() - t
@@ -85,6 +102,13 @@ def main() -> None:
         print(f"\n{step_kind} steps:")
         for s, name in rows:
             print(f"  {s:9.3f} s  {name}")
+    print("\nstep phases (ms per step):")
+    for step_kind in ("mixed", "decode"):
+        n = max(steps[step_kind], 1)
+        cells = [f"{name} {1e3 * phases[(step_kind, name)] / n:.2f}" for name in
+                 ("whole step", "schedule", "prepare_inputs", "model forward", "logits head", "sampler",
+                  "update_from_output", "output processing")]
+        print(f"  {step_kind} ({steps[step_kind]} steps): " + ", ".join(cells))
 
 
 if __name__ == "__main__":

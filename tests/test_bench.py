@@ -236,12 +236,16 @@ def test_op_times_script_times_every_op_inside_the_step():
     done = subprocess.run([sys.executable, str(script), "--num-prompts", "2", "--input-len", "8", "--input-len-max",
                            "12", "--output-len", "3", "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    decode = done.stdout.split("decode steps:")[1]
+    decode, phases = done.stdout.split("decode steps:")[1].split("step phases (ms per step):")
     times = {line.split(" s  ", 1)[1]: float(line.split(" s  ", 1)[0]) for line in decode.strip().splitlines()}
     total = times.pop("execute_model (all of the step's model work)")
     assert "decoder_layer" in times and "linear logits_head" in times
     assert 0 < sum(times.values()) <= total + 0.0005 * len(times)  # printed to the millisecond
     assert "linear qkv" in done.stdout.split("mixed steps:")[1]  # the prompt step runs the layers op by op
+    # the phases table: per kind, the model's forward and logits head fit inside the whole step
+    decode_phases = dict(cell.rsplit(" ", 1) for cell in phases.split("decode (")[1].split("): ")[1].split(", "))
+    ms = {name: float(v) for name, v in decode_phases.items()}
+    assert 0 < ms["model forward"] + ms["logits head"] + ms["sampler"] <= ms["whole step"] + 0.03
 
 
 def test_peers_report_ceilings_are_the_best_measurement():
