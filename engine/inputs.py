@@ -39,7 +39,7 @@ class ModelInputs:
     sample_reqs: tuple[int, ...]   # indices into SchedulerOutput.scheduled of the sampling requests
     prompt_logprobs: tuple[PromptLogprobsSlice, ...]
     # The logits rows when they are each the last row of their request and fewer than the tokens
-    # (steps with prompt chunks, no prompt logprobs): the model's last layer runs on them only.
+    # (steps with prompt chunks, no prompt logprobs or pooling): the model's last layer runs on them only.
     output_rows: OutputRows | None = None
 
 
