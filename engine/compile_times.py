@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CompileTimes:
-    native_kernels_s: float | None = None          # finding or building the C kernels (None: not used)
+    # finding or building the C kernels (None: not used); they load once per process, so a second
+    # engine in the same process reports the first one's load
+    native_kernels_s: float | None = None
     native_kernels_compiled: bool | None = None    # True: compiled in this process; False: an earlier build reused
     torch_compile_s: float | None = None           # inductor warm-up of the torch CPU path (None: not used)
     cuda_graphs_s: float | None = None             # decode CUDA graph capture incl. Triton JIT (None: not used)

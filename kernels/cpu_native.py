@@ -82,13 +82,9 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("VBATCH_CACHE", Path.home() / ".cache" / "vbatch")) / "kernels"
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the C source (or reuse an earlier build) and return the shared library's path."""
-    return _build(compiler)[0]
-
-
-def _build(compiler: str | None = None) -> tuple[Path, bool]:
-    """(library path, True when it was compiled now rather than reused from the cache)."""
+def build(compiler: str | None = None) -> tuple[Path, bool]:
+    """Compile the C source (or reuse an earlier build): (the shared library's path, True when it
+    was compiled now rather than reused from the cache)."""
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
@@ -117,8 +113,8 @@ def _build(compiler: str | None = None) -> tuple[Path, bool]:
 class NativeKernels:
     library: ctypes.CDLL
     path: Path
-    build_seconds: float = 0.0   # finding or compiling the library (compiling: about a second per source)
-    compiled_now: bool = False   # False: an earlier build of the same source, flags and compiler was reused
+    build_seconds: float   # finding or compiling the library (compiling: about a second per source)
+    compiled_now: bool     # False: an earlier build of the same source, flags and compiler was reused
 
     def paged_attention_bf16(
         self,
@@ -222,7 +218,7 @@ class NativeKernels:
                                       key.shape[0], key.shape[1] * key.shape[2])
 
 
-def _bind(path: Path, build_seconds: float = 0.0, compiled_now: bool = False) -> NativeKernels:
+def _bind(path: Path, build_seconds: float, compiled_now: bool) -> NativeKernels:
     lib = ctypes.CDLL(str(path))
     fn = lib.vb_paged_attention_bf16
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -258,7 +254,7 @@ def load() -> NativeKernels | None:
         if os.environ.get("VBATCH_CPU_NATIVE", "1") != "0":
             try:
                 t0 = time.perf_counter()
-                path, compiled_now = _build()
+                path, compiled_now = build()
                 _loaded = _bind(path, time.perf_counter() - t0, compiled_now)
             except Exception as e:  # noqa: BLE001 - no compiler / failed build: the torch path runs instead
                 logger.warning("native CPU kernels unavailable (%s); using the compiled torch path", e)

@@ -2,10 +2,11 @@
 
 Built by engine/inputs.py when every such row is the last token of its request (no prompt
 logprobs asked for, no pooling request in the step) and they are fewer than the step's tokens, as
-in every step that carries prompt chunks. The model's last decoder layer then computes q/k/v, rotary and the KV-cache write
-for every token (later steps attend to them) but attention, o_proj, the MLP and the final norm only
-for these rows: nothing reads the other rows' output of the last layer. On the benchmark's prompt
-steps that is 1/30 of SmolLM2's linear-layer work (o_proj + MLP of one layer) and attention.
+in every step that carries prompt chunks. The model's last decoder layer then computes q/k/v,
+rotary and the KV-cache write for every token (later steps attend to them) but attention, o_proj,
+the MLP and the final norm only for these rows: nothing reads the other rows' output of the last
+layer. For SmolLM2's prompt tokens that is 2.8% of the linear-layer work (o_proj + MLP of one of 30
+layers) and 1/30 of the attention.
 llama.cpp prunes its last layer the same way. The kept rows get the same ops as unpruned; only
 the GEMMs' and attention's row counts change, which may move a value by bf16 rounding, as any
 change of batch composition does.
