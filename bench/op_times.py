@@ -51,6 +51,10 @@ def main() -> None:
         return wrapper
 
     ops = model.ops
+    # What this CPU path has (the test reads it): the whole-layer call and a packed logits head
+    # exist only where the ops provide them.
+    print(f"ops {ops.name}: fused decoder layer {'on' if ops.decoder_layer else 'off'}, "
+          f"logits head {'packed' if model.logits_head is not None else 'plain'}")
     wrapped = dataclasses.replace(ops, **{
         f.name: timed(getattr(ops, f.name), f.name) for f in dataclasses.fields(ops)
         if callable(getattr(ops, f.name)) and f.name not in ("pack_linear", "pack_gate_up")})
