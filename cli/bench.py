@@ -29,7 +29,9 @@ def _echo(line: str) -> None:
 
 def _summary_lines(report: dict[str, Any]) -> list[str]:
     gemm = f", {report['cpu_gemm']} GEMMs" if report.get("cpu_gemm") else ""
-    lines = [f"model {report['model']} ({report['dtype']}, {report['threads']} threads{gemm}), "
+    weights = f", {report['weight_dtype']} weights" if report.get("weight_dtype", report["dtype"]) != report["dtype"] else ""
+    tier = f", {report['cpu_tier']} kernels" if report.get("cpu_tier") else ""
+    lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {report['threads']} threads{gemm}), "
              f"engine built in {report['engine_build_s']:.1f} s (not timed)"]
     if report.get("compile_description"):
         lines.append(f"  compiled at start-up (inside the build): {report['compile_description']}")
@@ -51,7 +53,7 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
                      + (f", decode {r['decode_tokens_per_s']:.1f} tok/s" if r["decode_tokens_per_s"] else ""))
     if "ceilings" in report:
         c = report["ceilings"]
-        lines.append(f"Ceilings ({c['dtype']}, {c['num_linear_params'] / 1e6:.1f} M linear params; "
+        lines.append(f"Ceilings ({c['dtype']}, {c['weight_dtype']} weights, {c['num_linear_params'] / 1e6:.1f} M linear params; "
                      f"GEMM {c['gemm_gflops']:.0f} GFLOP/s, read {c['read_gb_s']:.1f} GB/s): "
                      f"compute {c['compute_tok_s']:.0f} tok/s, bandwidth {c['bandwidth_tok_s']:.0f} tok/s")
         for key, label in (("decode_fraction_of_compute", "large-batch decode / compute ceiling"),
@@ -65,7 +67,7 @@ def _ceilings(llm, dtype: str, threads: int, report: dict[str, Any]) -> dict[str
     from .bench_ceilings import ceilings_for, measure_rates
 
     rates = measure_rates(threads, dtypes=(dtype,) if dtype == "float32" else (dtype, "float32"))
-    c = ceilings_for(llm.engine.hf_config, dtype, rates)
+    c = ceilings_for(llm.engine.hf_config, dtype, rates, weight_dtype=report.get("weight_dtype"))
     out = c.to_dict() | {"gemm_gflops": rates.gemm_gflops[dtype], "read_gb_s": rates.read_gb_s,
                          "copy_gb_s": rates.copy_gb_s}
     if "throughput" in report and report["throughput"]["decode_tokens_per_s"]:
@@ -99,6 +101,7 @@ def throughput(
     json_file: Annotated[Optional[Path], typer.Option("--json", help="Also write the results as JSON here.",
                                                       rich_help_panel=BENCH)] = None,
     dtype: o.Dtype = "auto",
+    weight_dtype: o.WeightDtype = "auto",
     max_num_seqs: o.MaxNumSeqs = None,
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
     max_model_len: o.MaxModelLen = None,
@@ -131,7 +134,7 @@ def throughput(
                            max_num_seqs=1 if latency else max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                            enable_prefix_caching=False if latency else None, seed=seed,
-                           generation_config="vllm", device=device)
+                           generation_config="vllm", device=device, weight_dtype=weight_dtype)
     kwargs["quiet"] = True
     if threads is not None:
         kwargs["num_threads"] = threads  # the engine sets torch's thread count itself when it starts
@@ -152,6 +155,12 @@ def throughput(
         "input_len": str(lengths), "output_len": output_len, "seed": seed, "prompts_digest": prompts_digest(prompts),
         "torch": torch.__version__, "python": platform.python_version(),
     }
+    ops = llm.engine.runner.ops
+    report["weight_dtype"] = str(ops.weight_dtype or llm.engine.dtype).removeprefix("torch.")
+    if ops.cpu_tier is not None:  # the CPU path: its tier of native kernels and the flags that chose it
+        from vbatch.kernels.cpu_features import detect
+        report["cpu_tier"] = ops.cpu_tier.name if ops.native is not None else f"{ops.cpu_tier.name} (not built)"
+        report["cpu_flags"] = detect().deciding_flags
     from vbatch.kernels.cpu_linear import describe
     gemm = describe(llm.engine.runner.model)
     if gemm is not None:

@@ -79,19 +79,25 @@ class Ceilings:
     compute_tok_s: float
     """Large-batch decode ceiling for `dtype`."""
     bandwidth_tok_s: float
-    """Batch-1 decode ceiling for `dtype`."""
+    """Batch-1 decode ceiling: the linear weights, as stored, read once per token."""
+    weight_dtype: str = ""
+    """How the weights are stored (the bytes the bandwidth ceiling counts); default `dtype`."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def ceilings_for(config, dtype: str, rates: MachineRates) -> Ceilings:
+def ceilings_for(config, dtype: str, rates: MachineRates, weight_dtype: str | None = None) -> Ceilings:
+    """The ceilings of a `dtype` model whose linear weights are stored as `weight_dtype` (default:
+    `dtype`; an fp32 model streaming fp16 weights reads 2 bytes per weight, computes at the fp32 rate)."""
     n = linear_params(config).total
-    nbytes = 2 if dtype in ("bfloat16", "float16") else 4
+    weight_dtype = weight_dtype or dtype
+    nbytes = 2 if weight_dtype in ("bfloat16", "float16") else 4
     gflops = rates.gemm_gflops.get(dtype) or rates.gemm_gflops["float32"]
     return Ceilings(dtype=dtype, num_linear_params=n,
                     compute_tok_s=compute_ceiling_tok_s(n, gflops * 1e9),
-                    bandwidth_tok_s=bandwidth_ceiling_tok_s(n, nbytes, rates.read_gb_s * 1e9))
+                    bandwidth_tok_s=bandwidth_ceiling_tok_s(n, nbytes, rates.read_gb_s * 1e9),
+                    weight_dtype=weight_dtype)
 
 
 def _best_seconds(fn, repeats: int, min_seconds: float = 0.05) -> float:
@@ -116,8 +122,8 @@ def _best_seconds(fn, repeats: int, min_seconds: float = 0.05) -> float:
 
 def measure_gemm_gflops(dtype_name: str, shape: tuple[int, int, int] = DECODE_SHAPE, repeats: int = 7) -> float:
     """GFLOP/s of the linear decode makes at `shape` = (tokens, in, out): the engine's own path
-    (bf16 on CPU: the oneDNN-prepacked weight of kernels/cpu_linear.py; plain `F.linear`, which
-    reorders a bf16 weight on every call, would understate the machine)."""
+    (on CPU the prepacked weight of kernels/cpu_linear.py in the library the engine uses; plain
+    `F.linear`, which reorders a bf16 weight on every call, would understate the machine)."""
     import torch
     import torch.nn.functional as F
 

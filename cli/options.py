@@ -21,6 +21,9 @@ InputFile = Annotated[str, typer.Argument(help="Batch file: .jsonl, .parquet or 
 Model = Annotated[str, typer.Option("--model", "-m", help="Local HF folder, .gguf file or catalogue name "
                                     "(`vbatch models list`).", rich_help_panel=ENGINE)]
 Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16.", rich_help_panel=ENGINE)]
+WeightDtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16: how linear weights are stored "
+                                          "(auto: fp16 under an fp32 model on CPUs without fast bf16, widened in "
+                                          "registers; float32 keeps them exact).", rich_help_panel=ENGINE)]
 MaxModelLen = Annotated[Optional[int], typer.Option(help="Prompt + output tokens per sequence "
                                                    "(default: the model's).", rich_help_panel=ENGINE)]
 MaxNumSeqs = Annotated[Optional[int], typer.Option(help="Most sequences running at once (default: 256).",

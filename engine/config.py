@@ -40,7 +40,15 @@ class ModelConfig:
     """Tokenizer folder or hub id; default: the model's own."""
     dtype: str = "auto"
     """auto | float32 | bfloat16 | float16. auto: bf16 where the device computes it fast and exactly
-    enough (CUDA with bf16, CPUs with avx512_bf16 or AMX), else float32."""
+    enough (CUDA with bf16, CPUs with avx512_bf16 or AMX: the avx512-bf16 tier of
+    kernels/cpu_features.py), else float32."""
+    weight_dtype: str = "auto"
+    """auto | float32 | float16 | bfloat16: how the linear layers' weights are stored. auto: as dtype,
+    except that an fp32 model whose dtype is auto (a CPU without fast bf16, e.g. AVX2) stores them
+    in the CPU tier's half-precision format (fp16 on AVX2, bf16 on the portable tier), widened to
+    fp32 in registers: half the bytes per decode step, every product and sum still fp32 (tolerance:
+    docs/performance.md). float16 / bfloat16 ask for that under dtype float32 on any CPU; float32
+    keeps them exact."""
     max_model_len: int | None = None
     """Prompt + output tokens per sequence; default: the model's max_position_embeddings."""
     seed: int = 0
@@ -58,6 +66,8 @@ class ModelConfig:
             raise ConfigError("model", "must be a non-empty path, file, catalogue name or hub id")
         if self.dtype not in _DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.weight_dtype not in _DTYPES:
+            raise ConfigError("weight_dtype", f"must be one of {', '.join(_DTYPES)}, got {self.weight_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len", f"must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -113,7 +113,7 @@ class DecodeGraphs:
 
 def capture_decode_graphs(runner) -> DecodeGraphs | None:
     """Graphs for `runner` (a ModelRunner with its KV cache), or None where they cannot run."""
-    if runner.device.type != "cuda" or getattr(runner.model.ops, "name", "") != "triton":
+    if runner.device.type != "cuda" or not runner.model.ops.graph_capturable:
         return None
     s = runner.config.scheduler
     return DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, s.max_model_len,

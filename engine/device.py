@@ -17,7 +17,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """avx512_bf16 or AMX: oneDNN runs bf16 GEMMs about 2x faster than fp32 (REFERENCE 8)."""
+    """avx512_bf16 or AMX in the selected CPU tier, and oneDNN's bf16 GEMMs on it: about 2x faster
+    than fp32 (REFERENCE 8). Without it (AVX2: bf16 GEMMs at about 19 GFLOP/s against 160 for
+    fp32) bf16 is never the compute dtype of choice."""
+    from ..kernels.cpu_features import selected_tier
+    if not selected_tier().bf16_compute:
+        return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -34,3 +39,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """How the linear weights are stored: None for auto (the CPU ops decide: the model's dtype, or
+    for an fp32 model whose dtype was auto the CPU tier's half-precision format); else the named
+    dtype, which must be the model's, or fp16 / bf16 under an fp32 model on CPU (widened in
+    registers by the native kernels)."""
+    if name == "auto":
+        return None
+    weights = _NAMED[name]
+    if weights == dtype or (device.type == "cpu" and dtype == torch.float32 and weights != torch.float32):
+        return weights
+    raise ConfigError("weight_dtype", f"{name} weights under a {str(dtype).removeprefix('torch.')} model are not "
+                      "supported", hint="use weight_dtype auto, the model's dtype, or float16/bfloat16 with "
+                                        "dtype float32 on CPU")

@@ -26,13 +26,14 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, tokenizer: str | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 weight_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, kv_cache_memory: int | str | None = None,
                  block_size: int = 16, seed: int = 0, generation_config: str = "auto", device: str = "auto",
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
                  num_threads: int | None = None, quiet: bool = False) -> None:
-        model_cfg = ModelConfig(model=str(model), tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+        model_cfg = ModelConfig(model=str(model), tokenizer=tokenizer, dtype=dtype, weight_dtype=weight_dtype,
+                                max_model_len=max_model_len,
                                 seed=seed, generation_config=generation_config, device=device,
                                 num_threads=num_threads)
         cache_cfg = CacheConfig(block_size=block_size,

@@ -16,9 +16,11 @@ from pathlib import Path
 import psutil
 import torch
 
+from ..kernels.ops import Ops, get_ops
 from .compile_times import CompileTimes
 from .config import EngineConfig
 from .cuda_graphs import capture_decode_graphs
+from .device import resolve_weight_dtype
 from .inputs import ModelInputs, prepare_inputs
 from .models.registry import get_model_class
 from .models.weights import iter_weights
@@ -57,6 +59,11 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.cache.block_size
         self.vocab_size = int(hf_config.vocab_size)
+        model_cfg = config.model
+        # Checked before anything loads: a bad dtype pair is a ConfigError at start.
+        self.weight_dtype = resolve_weight_dtype(model_cfg.weight_dtype, dtype, device)
+        self.prefer_half_weights = model_cfg.dtype == "auto" and model_cfg.weight_dtype == "auto"
+        self.ops: Ops | None = None   # chosen once in load_model (kernels/ops.py get_ops)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.model.seed)
         self.model = None
@@ -65,7 +72,6 @@ class ModelRunner:
         self.load_seconds = 0.0
         self.cuda_graphs = None  # engine/cuda_graphs.DecodeGraphs once the KV cache exists (CUDA + Triton)
         self.warmup_seconds = 0.0
-        self.native_sampling = False
         if device.type == "cpu":
             torch.set_num_threads(cpu_thread_count(config.model.num_threads))
 
@@ -73,15 +79,19 @@ class ModelRunner:
     def load_model(self) -> None:
         t0 = time.perf_counter()
         cls = get_model_class(self.hf_config)
+        self.ops = get_ops(self.device, self.dtype, weight_dtype=self.weight_dtype,
+                           prefer_half_weights=self.prefer_half_weights)
         with torch.device(self.device):
             model = cls(self.hf_config, dtype=self.dtype, device=self.device,
-                        max_model_len=self.config.scheduler.max_model_len)
+                        max_model_len=self.config.scheduler.max_model_len, ops=self.ops)
         model.load_weights(iter_weights(self.model_path))
         if hasattr(model, "finalize_weights"):
-            model.finalize_weights()   # CPU bf16: prepacks every GEMM weight for oneDNN
+            model.finalize_weights()   # CPU: prepacks every GEMM weight (and its small-rows copy)
         self.model = model.eval()
-        # The native CPU sampler (kernels/csrc/cpu_sample.c) reads bf16 logits directly.
-        self.native_sampling = getattr(getattr(model, "ops", None), "name", "") == "cpu-bf16-native"
+        # The native CPU sampler (kernels/csrc/cpu_sample.c) reads the model's own logits.
+        self.sampler = Sampler(native=self.ops.native)
+        logger.info("ops %s, linear weights stored as %s", self.ops.name,
+                    str(self.ops.weight_dtype or self.dtype).removeprefix("torch."))
         self.load_seconds = time.perf_counter() - t0
 
     def bytes_per_block(self) -> int:
@@ -156,15 +166,15 @@ class ModelRunner:
                           for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
         self.cuda_graphs = capture_decode_graphs(self)  # None off CUDA
-        ops = getattr(self.model, "ops", None)
-        if self.device.type == "cpu" and ops is not None and ops.name == "cpu-bf16":
+        if self.ops is not None and self.ops.compiles_on_first_use:
             self._warm_up_decode()  # inductor's decode attention; the native kernel needs no warm-up
         return num_blocks
 
     def _warm_up_decode(self) -> None:
         """Run decode steps of batch 2, 3 and 1 over a scratch cache before any request arrives.
 
-        The CPU bf16 decode attention is compiled by inductor on first use (kernels/cpu_attention.py);
+        The CPU bf16 decode attention without a C compiler is compiled by inductor on first use
+        (kernels/cpu_attention.py);
         paying it here keeps it out of the first step and makes it measurable (`warmup_seconds`)."""
         from vbatch.kernels.attention_metadata import AttentionMetadata
         t0 = time.perf_counter()
@@ -193,15 +203,11 @@ class ModelRunner:
 
     def compile_times(self) -> CompileTimes:
         """What start-up compiled, and how long it took (kernels are never compiled inside a step)."""
-        ops_name = getattr(getattr(self.model, "ops", None), "name", "")
-        native = None
-        if ops_name == "cpu-bf16-native":
-            from vbatch.kernels import cpu_native
-            native = cpu_native.load()
+        native = None if self.ops is None else self.ops.native
         return CompileTimes(
             native_kernels_s=None if native is None else native.build_seconds,
             native_kernels_compiled=None if native is None else native.compiled_now,
-            torch_compile_s=self.warmup_seconds if ops_name == "cpu-bf16" else None,
+            torch_compile_s=self.warmup_seconds if self.ops is not None and self.ops.compiles_on_first_use else None,
             cuda_graphs_s=None if self.cuda_graphs is None else self.cuda_graphs.capture_seconds)
 
     # ------------------------------------------------------------------ per step
@@ -219,9 +225,9 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)   # [T, H]
         if not pruned:
             hidden = hidden[inputs.logits_indices]                                          # [rows, H]
-        # CPU bf16 with the native kernels: the sampler reads the model's bf16 logits itself (it
-        # converts them when a row needs more than a temperature); prompt logprobs need fp32.
-        keep = self.native_sampling and not inputs.prompt_logprobs
+        # CPU with the native kernels: the sampler reads the model's own logits (bf16 ones it
+        # converts when a row needs more than a temperature); prompt logprobs need fp32.
+        keep = self.sampler.native is not None and not inputs.prompt_logprobs
         logits = self.model.compute_logits(hidden, keep_dtype=keep)                         # [rows, V]
         num = len(sched.scheduled)
         sampled: list[tuple[int, ...]] = [()] * num

@@ -34,10 +34,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor,                 # [num_rows, vocab] float32
+    def __init__(self, native=None) -> None:
+        """native: the model's NativeKernels (kernels/cpu_native.py, `Ops.native`), whose sampler
+        draws the plain rows straight from the model's fp32 or bf16 logits on CPU; None: torch only."""
+        self.native = native
+
+    def __call__(self, logits: torch.Tensor,                 # [num_rows, vocab] float32 (CPU: or bf16)
                  meta: SamplingMetadata,
                  default_generator: torch.Generator | None = None, owned: bool = False) -> SamplerOutput:
-        """owned: the caller hands `logits` over (a fresh fp32 tensor it will not read again), so
+        """owned: the caller hands `logits` over (a fresh tensor it will not read again), so
         the processing may edit it in place instead of a copy (at batch 256 x 49k vocab the copy
         alone took 12 ms per step)."""
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, (logits.shape, meta.num_rows)
@@ -45,11 +50,12 @@ class Sampler:
         u = None if meta.all_greedy or logits.device.type != "cpu" else _uniform_per_row(
             meta.num_rows, meta.generators, default_generator)
         fast = None
+        if (self.native is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
+                and logits.stride(1) == 1 and any(meta.plain_rows)):
+            fast = _sample_plain_rows_native(self.native, logits, meta, u)
+            if all(meta.plain_rows):
+                return SamplerOutput(sampled_token_ids=fast, logprobs=[None] * meta.num_rows)
         if logits.dtype == torch.bfloat16 and logits.device.type == "cpu":  # the runner's model logits
-            if any(meta.plain_rows):
-                fast = _sample_plain_rows_native(logits, meta, u)
-                if fast is not None and all(meta.plain_rows):
-                    return SamplerOutput(sampled_token_ids=fast, logprobs=[None] * meta.num_rows)
             logits, owned = logits.float(), True
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
@@ -133,20 +139,14 @@ def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return token.clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
-def _sample_plain_rows_native(logits: torch.Tensor, meta: SamplingMetadata,
-                              u: torch.Tensor | None) -> torch.Tensor | None:
-    """Every row drawn by the native kernel (kernels/csrc/cpu_sample.c) straight from bf16 logits
-    as if it were plain (temperature only; greedy rows: argmax); the caller keeps the plain rows'.
-    None: no native kernels here."""
-    from vbatch.kernels import cpu_native
-    kernels = cpu_native.load()
-    if kernels is None:
-        return None
+def _sample_plain_rows_native(native, logits: torch.Tensor, meta: SamplingMetadata,
+                              u: torch.Tensor | None) -> torch.Tensor:
+    """Every row drawn by the native kernel (kernels/csrc/cpu_sample.c) straight from the model's
+    logits as if it were plain (temperature only; greedy rows: argmax); the caller keeps the plain rows'."""
     temperature = torch.zeros(meta.num_rows) if meta.temperature is None else meta.temperature.clone()
     if meta.is_greedy is not None:
         temperature[meta.is_greedy] = 0.0
-    return kernels.sample_bf16(logits, temperature, torch.zeros(meta.num_rows) if u is None else u,
-                               torch.get_num_threads())
+    return native.sample(logits, temperature, torch.zeros(meta.num_rows) if u is None else u, torch.get_num_threads())
 
 
 def _exponential_noise(probs: torch.Tensor, generators: tuple[tuple[int, torch.Generator], ...],

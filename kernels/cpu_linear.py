@@ -1,23 +1,32 @@
-"""Prepacked linear layers for bf16 on CPU (the CPU model's GEMMs): zentorch's where it is
-installed, oneDNN's (inside torch) otherwise.
+"""Prepacked linear layers for the CPU model's GEMMs (fp32 or bf16), with a small-rows native path.
 
-`pack_linear(nn.Linear) -> PackedLinear` is bound as `Ops.pack_linear` for bf16 on CPUs with
-avx512_bf16 (kernels/ops.py); the model calls it once per Linear after its weights are loaded
-(`LlamaForCausalLM.finalize_weights`). The oracle is `F.linear` on the same bf16 tensors.
+`pack_linear(linear, native, weight_dtype) -> PackedLinear` is bound as `Ops.pack_linear` on CPU
+(kernels/ops.py); the model calls it once per Linear after its weights are loaded
+(`LlamaForCausalLM.finalize_weights`). The oracle is `F.linear` on the same tensors.
 
-NOTE: why prepack. A plain bf16 `F.linear` on this CPU runs oneDNN too, but reorders the weight
-into oneDNN's blocked layout on every call: measured here (2 threads, SmolLM2 layer shapes) a
-packed weight makes the per-layer GEMMs 2.5x faster at batch 1 (0.33 -> 0.13 ms) and 1.4x at batch
-64 (1.6 -> 1.1 ms). The packed layout is only a weight layout: one packed tensor serves every
-batch size (checked from 1 to 300 rows; the batch-size hint changes nothing measurable).
-Accumulation is fp32 inside oneDNN; the output is rounded to bf16, exactly as `F.linear` does.
+NOTE: why prepack. A plain `F.linear` on CPU either reorders the weight into oneDNN's blocked
+layout on every call (bf16) or goes through MKL's sgemm (fp32): measured here (2 threads, SmolLM2
+layer shapes), a bf16 weight packed once makes the per-layer GEMMs 2.5x faster at batch 1 (0.33 ->
+0.13 ms) and 1.4x at batch 64 (1.6 -> 1.1 ms) on Zen 4; on Zen 3 (AVX2, fp32) oneDNN's packed
+fp32 GEMM ran the model's shapes at 87 / 118 / 131 / 137 GFLOP/s for 16 / 64 / 256 / 1,024 rows
+against MKL's F.linear at 39 / 68 / 103 / 130 (bench/gemm_backends.py). The packed layout is only
+a weight layout: one packed tensor serves every batch size. Accumulation is fp32 inside the
+library; a bf16 output is rounded to bf16, exactly as `F.linear` does.
 
-NOTE: zentorch. AMD's ZenDNN plugin (`pip install -c constraints-cpu.txt ".[zen]"`, a wheel per torch
-release) prepacks the same way and was measured here 2-8% faster than oneDNN on the model's shapes
-with weights rotating out of cache as in a model step (M = 64: 330-386 vs 307-365 GFLOP/s, M = 256:
-414-438 vs 401-423, M = 2,048: 440-447 vs 414-445), one engine step 2-8% faster (decode batch 64
-85.6 -> 79.0 ms, batch 256 283.8 -> 272.7, an 8k-token prefill 4.73 -> 4.62 s). It is used when
-`import zentorch` works (its wheel refuses any other torch minor) unless VBATCH_ZENTORCH=0.
+NOTE: the GEMM library (`gemm_backend`): for bf16, AMD's ZenDNN plugin (`pip install -c
+constraints-cpu.txt ".[zen]"`, a wheel per torch release) when it loads, measured on Zen 4 2-8%
+faster than oneDNN on the model's shapes with weights rotating out of cache as in a model step (M =
+64: 330-386 vs 307-365 GFLOP/s, M = 256: 414-438 vs 401-423), one engine step 2-8% faster; for
+fp32, oneDNN, which ran ahead of zentorch's fp32 GEMM on Zen 3 (118 vs 112 GFLOP/s at 64 rows, 131
+vs 104 at 256). VBATCH_GEMM=onednn|zentorch|mkl overrides the choice (VBATCH_ZENTORCH=0 keeps
+zentorch out); `vbatch bench` prints the library in use.
+
+NOTE: half-precision weights. With `weight_dtype` below the model's dtype (an fp32 model on a CPU
+without fast bf16: dtype auto streams its weights as fp16, cpu_features.CpuTier.half_weight_dtype)
+the weight is rounded to it once here, and both paths compute with the rounded values: the packed
+GEMM holds them widened back to fp32, the small-rows kernel streams them in half precision. So the
+layer is one well-defined function (fp16 weights, fp32 arithmetic) whatever the batch size, and
+the decode steps read half the bytes.
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ import os
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -59,6 +69,20 @@ ONEDNN = GemmBackend(
 )
 
 
+def _mkl_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    out = F.linear(rows, weight, bias)
+    return F.silu(out) if act == "silu" else out
+
+
+# torch's own F.linear (MKL's sgemm for fp32 on x86): no packing; a peer for bench/gemm_backends.py
+MKL = GemmBackend(
+    name="mkl",
+    pack=lambda w: w.detach().contiguous(),
+    linear=_mkl_linear,
+    linear_mul=lambda rows, weight, bias, other: F.linear(rows, weight, bias) * other,
+)
+
+
 def _zentorch() -> GemmBackend | None:
     if os.environ.get("VBATCH_ZENTORCH", "1") == "0":
         return None
@@ -79,11 +103,25 @@ def _zentorch() -> GemmBackend | None:
     )
 
 
+def backend_named(name: str) -> GemmBackend | None:
+    """onednn | mkl | zentorch (None where zentorch does not load)."""
+    return {"onednn": lambda: ONEDNN, "mkl": lambda: MKL, "zentorch": _zentorch}[name]()
+
+
 @functools.cache
-def gemm_backend() -> GemmBackend:
-    """zentorch's GEMMs where they load, else oneDNN's (decided once per process)."""
-    backend = _zentorch() or ONEDNN
-    logger.info("CPU bf16 GEMMs: %s", backend.name)
+def gemm_backend(dtype: torch.dtype = torch.bfloat16) -> GemmBackend:
+    """The GEMM library for `dtype` (decided once per process): VBATCH_GEMM if it names one that
+    loads, else for bf16 zentorch where it loads and oneDNN otherwise, for fp32 oneDNN (see above)."""
+    wanted = os.environ.get("VBATCH_GEMM", "").strip().lower()
+    backend = None
+    if wanted:
+        if wanted not in ("onednn", "mkl", "zentorch"):
+            logger.warning("VBATCH_GEMM=%s is not one of onednn, mkl, zentorch; using the default", wanted)
+        else:
+            backend = backend_named(wanted)
+    if backend is None:
+        backend = (_zentorch() if dtype == torch.bfloat16 else None) or ONEDNN
+    logger.info("CPU %s GEMMs: %s", str(dtype).removeprefix("torch."), backend.name)
     return backend
 
 
@@ -102,48 +140,54 @@ def describe(model: nn.Module) -> str | None:
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """True when this torch build and CPU run prepacked bf16 oneDNN linears."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """True when this torch build runs prepacked oneDNN linears in `dtype` on this CPU (bf16: only
+    where oneDNN has native bf16, avx512_bf16 or AMX; fp32: wherever oneDNN is built in)."""
+    if dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
         return False
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+            return False
+        return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
 
-def pack_weight(weight: torch.Tensor, backend: GemmBackend | None = None) -> torch.Tensor:  # [out, in] -> packed
-    return (backend or gemm_backend()).pack(weight)
-
-
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                  out_features: int, backend: GemmBackend | None = None) -> torch.Tensor:  # [..., in] -> [..., out]
+                  out_features: int, backend: GemmBackend) -> torch.Tensor:  # [..., in] -> [..., out]
     rows = x.reshape(-1, x.shape[-1])
-    out = (backend or gemm_backend()).linear(rows, packed_weight, bias, "none")
+    out = backend.linear(rows, packed_weight, bias, "none")
     return out.view(*x.shape[:-1], out_features)
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight in its GEMM library's blocked layout (zentorch's or oneDNN's, see
+    """`nn.Linear` with its weight in its GEMM library's blocked layout (oneDNN's or zentorch's, see
     `gemm_backend`); same forward signature and result.
 
-    With the native kernels built (kernels/cpu_native.py), the plain [out, in] weight is kept too
-    and up to `SMALL_ROWS` rows go through `cpu_linear_small.c` instead: oneDNN reads the weight at
-    about 16 GB/s at one row, the native kernel at about 28 (whole model, 2 threads, measured
-    here; 1.7x at 1-2 rows, 1.2x at 4, slower from 8). The price is a second copy of the weights
-    (the tied logits head shares the embedding's storage, so it costs nothing)."""
+    With the native kernels built (kernels/cpu_native.py, `native`), a plain [out, in] copy of the
+    weight in `weight_dtype` is kept too and up to `SMALL_ROWS` rows go through `cpu_linear_small.c`
+    instead: oneDNN reads the weight at about 16 GB/s at one row, the native kernel at about 28 (Zen
+    4, whole model, 2 threads; 1.7x at 1-2 rows, 1.2x at 4, slower from 8). The price is that second
+    copy of the weights (for a bf16 model the tied logits head shares the embedding's storage)."""
 
     SMALL_ROWS = 4
 
-    def __init__(self, linear: nn.Linear, pack: bool = True, backend: GemmBackend | None = None) -> None:
+    def __init__(self, linear: nn.Linear, *, backend: GemmBackend | None = None, native=None,
+                 weight_dtype: torch.dtype | None = None, pack: bool = True) -> None:
         super().__init__()
-        from . import cpu_native
-        self.backend = backend or gemm_backend()
+        dtype = linear.weight.dtype
+        self.weight_dtype = weight_dtype or dtype
+        self.backend = backend or gemm_backend(dtype)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        stored = linear.weight.detach().to(self.weight_dtype)       # [out, in]: the layer's weights, rounded once
+        self.compute_weight = stored.to(dtype) if self.weight_dtype != dtype else stored
         # Buffers, not parameters: nothing trains, and the packed tensor is not a plain [out, in] matrix.
-        self.register_buffer("packed_weight", self.backend.pack(linear.weight) if pack else None, persistent=False)
+        self.register_buffer("packed_weight", self.backend.pack(self.compute_weight) if pack else None,
+                             persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
-        self.native = cpu_native.load()
-        self.register_buffer("weight", linear.weight.detach().contiguous() if self.native else None, persistent=False)
+        self.native = native if native is not None and native.has_small_linear(dtype, self.weight_dtype) else None
+        self.register_buffer("small_weight", stored.contiguous() if self.native else None, persistent=False)
+        if pack:
+            self.compute_weight = None  # the packed copy serves; only PackedGateUp still slices it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = self._small(x)
@@ -153,38 +197,39 @@ class PackedLinear(nn.Module):
 
     def _small(self, x: torch.Tensor) -> torch.Tensor | None:  # [..., in] -> [..., out] or None (not small)
         if self.native is not None and x.numel() <= self.SMALL_ROWS * self.in_features:
-            rows = self.native.linear_small_bf16(x.reshape(-1, self.in_features), self.weight, self.bias,
-                                                 torch.get_num_threads())
+            rows = self.native.linear_small(x.reshape(-1, self.in_features), self.small_weight, self.bias,
+                                            torch.get_num_threads())
             if rows is not None:
                 return rows.view(*x.shape[:-1], self.out_features)
         return None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"gemm={self.backend.name}")
+                f"gemm={self.backend.name}, weights={str(self.weight_dtype).removeprefix('torch.')}")
 
 
 class PackedGateUp(PackedLinear):
     """The merged [gate; up] projection of a gated MLP, with `silu_and_mul(x)` fused into its GEMMs.
 
     `silu_and_mul(x)` == `silu_and_mul(self(x))` (activation_ref): above SMALL_ROWS rows it is two
-    GEMMs (zentorch's or oneDNN's) over the packed gate and up halves, the first with SiLU applied to its fp32
-    accumulator, the second multiplying its accumulator by the first's bf16 result, so the
-    [rows, 2 * inter] product is never written, read back and converted (measured here, 2
-    threads, SmolLM2's shapes: 8,192 rows 94 -> 73 ms, 2,048 rows 19.5 -> 18.5, 256 rows 2.5 ->
-    2.3). Gate and up are not rounded to bf16 before the activation, so it differs from the
-    reference by bf16 rounding only (tests/test_cpu_kernels.py). Up to SMALL_ROWS rows: the small-rows
-    kernel and the native SiLU-and-mul, exactly as the separate ops (the fused decoder layer's
-    equality test relies on it)."""
+    GEMMs over the packed gate and up halves, the first with SiLU applied to its fp32 accumulator,
+    the second multiplying its accumulator by the first's result, so the [rows, 2 * inter] product
+    is never written, read back and converted (measured on Zen 4, 2 threads, SmolLM2's shapes, bf16:
+    8,192 rows 94 -> 73 ms, 2,048 rows 19.5 -> 18.5, 256 rows 2.5 -> 2.3). In bf16, gate and up are
+    not rounded to bf16 before the activation, so it differs from the reference by bf16 rounding
+    only (tests/test_cpu_kernels.py). Up to SMALL_ROWS rows: the small-rows kernel and the native
+    SiLU-and-mul, exactly as the separate ops (the fused decoder layer's equality test relies on it)."""
 
-    def __init__(self, linear: nn.Linear, backend: GemmBackend | None = None) -> None:
-        super().__init__(linear, pack=False, backend=backend)
+    def __init__(self, linear: nn.Linear, *, backend: GemmBackend | None = None, native=None,
+                 weight_dtype: torch.dtype | None = None) -> None:
+        super().__init__(linear, backend=backend, native=native, weight_dtype=weight_dtype, pack=False)
         half = self.out_features // 2
-        weight, bias = linear.weight.detach(), linear.bias
+        weight, bias = self.compute_weight, linear.bias
         self.register_buffer("packed_gate", self.backend.pack(weight[:half]), persistent=False)
         self.register_buffer("packed_up", self.backend.pack(weight[half:]), persistent=False)
         self.register_buffer("bias_gate", None if bias is None else bias.detach()[:half].clone(), persistent=False)
         self.register_buffer("bias_up", None if bias is None else bias.detach()[half:].clone(), persistent=False)
+        self.compute_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # the Linear's contract: [..., in] -> [..., 2 * inter]
         small = self._small(x)
@@ -197,23 +242,29 @@ class PackedGateUp(PackedLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., inter]
         small = self._small(x)
         if small is not None:
-            from .cpu_native_ops import silu_and_mul
-            return silu_and_mul(small)
+            return self.native.silu_and_mul(small, torch.get_num_threads())
         rows = x.reshape(-1, self.in_features)
         gate = self.backend.linear(rows, self.packed_gate, self.bias_gate, "silu")
         out = self.backend.linear_mul(rows, self.packed_up, self.bias_up, gate)
         return out.view(*x.shape[:-1], self.out_features // 2)
 
 
-def pack_gate_up(linear: nn.Linear) -> nn.Module:
-    """The packed twin of a gated MLP's merged gate/up `linear`, with `silu_and_mul` fused (bf16 only)."""
+def pack_gate_up(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None = None) -> nn.Module:
+    """The packed twin of a gated MLP's merged gate/up `linear`: for bf16 with `silu_and_mul` fused
+    into its GEMMs; for fp32 one plain packed GEMM (the model then applies the op's SiLU-and-mul),
+    because oneDNN's fp32 post-ops ran slower than the GEMM plus the native op on Zen 3 (2 threads,
+    576 -> 2 x 1536: 256 rows 8.8 vs 6.3 ms, 2,048 rows 59 vs 48, 8,192 rows 264 vs 241). Any other
+    dtype, or no oneDNN: the plain module."""
     if not can_pack(linear.weight.dtype):
         return linear
-    return PackedGateUp(linear)
+    if linear.weight.dtype != torch.bfloat16:
+        return PackedLinear(linear, native=native, weight_dtype=weight_dtype)
+    return PackedGateUp(linear, native=native, weight_dtype=weight_dtype)
 
 
-def pack_linear(linear: nn.Linear) -> nn.Module:
-    """The packed twin of `linear` (bf16 only; any other dtype keeps the plain module)."""
+def pack_linear(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None = None) -> nn.Module:
+    """The packed twin of `linear`, its weights stored in `weight_dtype` (default: its own), the
+    small-rows kernel of `native` (NativeKernels) for 1-4 rows where it has one."""
     if not can_pack(linear.weight.dtype):
         return linear
-    return PackedLinear(linear)
+    return PackedLinear(linear, native=native, weight_dtype=weight_dtype)

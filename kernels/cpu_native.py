@@ -1,22 +1,24 @@
-"""Native CPU kernels: C sources in kernels/csrc, compiled once per machine, called through ctypes.
+"""Native CPU kernels: C sources in kernels/csrc, compiled once per machine and CPU tier, called through ctypes.
 
-    load() -> NativeKernels | None   (None: no C compiler, a failed build, or VBATCH_CPU_NATIVE=0)
-    NativeKernels.<kernel>_bf16(...)  raw bindings, one per C entry point (shapes checked by callers)
+    load(tier=None) -> NativeKernels | None   (None: no C compiler, a failed build, or VBATCH_CPU_NATIVE=0)
+    NativeKernels.<kernel>(...)                 raw bindings, fp32 or bf16 by the tensors' dtype
 
 The ops built on them, with the references' signatures, are in kernels/cpu_native_ops.py.
 
-NOTE: why C and ctypes rather than a torch extension: the kernel needs no torch headers (it takes
-raw pointers), so one `cc` call builds it in about a second instead of a minute, and the library
-links the same OpenMP runtime torch already loaded (libgomp, by soname), so its threads are
-torch's threads. The build goes to $VBATCH_CACHE/kernels/<hash of source, flags and compiler>/,
-written to a temporary name and renamed, so concurrent processes never load a half-written file.
-NOTE: -march=native: the library is built on the machine that runs it (the cache key includes
-the host's CPU flags), never shipped.
+NOTE: why C and ctypes rather than a torch extension: the kernels need no torch headers (they take
+raw pointers), so a few `cc` calls build them in seconds instead of a minute, and the library links
+the same OpenMP runtime torch already loaded (libgomp, by soname), so its threads are torch's
+threads. Every source is compiled twice (vb_act.h: fp32 and bf16 activations, entry points
+suffixed _f32 and _bf16) with the tier's target flags (kernels/cpu_features.py) and linked into
+one library in $VBATCH_CACHE/kernels/<hash of sources, flags, compiler, CPU flags>/, written to a
+temporary name and renamed, so concurrent processes never load a half-written file.
+NOTE: the library is built on the machine that runs it (the cache key includes the host's CPU
+flags), never shipped; a lower tier's build runs on any CPU of a higher one, so the tests build
+every tier the machine can run.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -24,21 +26,28 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .attention_metadata import AttentionMetadata
+from .cpu_features import CpuTier, selected_tier
 
 logger = logging.getLogger("vbatch.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
            CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c")
-HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_kernels.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
-         "-std=gnu11", "-ffp-contract=fast", "-Wall")
+HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h")
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",
+         "-Wall", "-Wno-psabi")
+# (activation dtype, its entry points' suffix, the -D that selects it in vb_act.h)
+ACTIVATIONS = ((torch.float32, "f32", ("-DVB_ACT_F32",)), (torch.bfloat16, "bf16", ()))
+_SUFFIX = {dtype: suffix for dtype, suffix, _ in ACTIVATIONS}
+# cpu_linear_small.c's weight formats (vb_kernels.h VB_WEIGHT_*)
+WEIGHT_FORMAT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, more than 16 query heads per kv head, "
                "or block size above 1024)",
            2: "out of memory for scratch buffers"}
@@ -50,7 +59,8 @@ class VbLayer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight",
         "gate_up_bias", "down_weight", "down_bias")] + [
-        (name, ctypes.c_int) for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate")] + [
+        (name, ctypes.c_int) for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate",
+                                          "weight_format")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -71,7 +81,7 @@ class NativeKernelError(RuntimeError):
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith("flags") or line.startswith("Features"):
                 return line
     except OSError:
         pass
@@ -82,49 +92,72 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("VBATCH_CACHE", Path.home() / ".cache" / "vbatch")) / "kernels"
 
 
-def build(compiler: str | None = None) -> tuple[Path, bool]:
-    """Compile the C source (or reuse an earlier build): (the shared library's path, True when it
-    was compiled now rather than reused from the cache)."""
+def build_flags(tier: CpuTier) -> tuple[str, ...]:
+    return (*FLAGS, *tier.compile_flags)
+
+
+def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
+    """Compile the C sources for `tier` (or reuse an earlier build): (the shared library's path, True
+    when it was compiled now rather than reused from the cache)."""
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    flags = build_flags(tier)
     texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_flags(), tier.name]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "libvbatch_cpu.so"
     if target.exists():
         return target, False
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *FLAGS, f"-I{CSRC}", *map(str, SOURCES), "-o", tmp], capture_output=True,
-                              text=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        jobs = [([cc, *flags, *defines, f"-I{CSRC}", "-c", str(source), "-o", f"{tmp}/{source.stem}_{suffix}.o"],
+                 f"{source.name} ({suffix})")
+                for source in SOURCES for _, suffix, defines in ACTIVATIONS]
+
+        def compile_one(job: tuple[list[str], str]) -> subprocess.CompletedProcess:
+            return subprocess.run(job[0], capture_output=True, text=True)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            for (command, what), proc in zip(jobs, pool.map(compile_one, jobs)):
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{cc} failed to build {what} for the {tier.name} tier:\n{proc.stderr[-2000:]}")
+        library = f"{tmp}/libvbatch_cpu.so"
+        objects = [command[-1] for command, _ in jobs]
+        proc = subprocess.run([cc, "-shared", "-fopenmp", *objects, "-o", library], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build {', '.join(s.name for s in SOURCES)}:\n{proc.stderr[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+            raise RuntimeError(f"{cc} failed to link the native kernels:\n{proc.stderr[-2000:]}")
+        os.replace(library, target)
     return target, True
+
+
+def _suffix(dtype: torch.dtype) -> str:
+    if dtype not in _SUFFIX:
+        raise NativeKernelError(f"native kernels take fp32 or bf16 activations, not {dtype}")
+    return _SUFFIX[dtype]
 
 
 @dataclass(frozen=True)
 class NativeKernels:
     library: ctypes.CDLL
     path: Path
-    build_seconds: float   # finding or compiling the library (compiling: about a second per source)
-    compiled_now: bool     # False: an earlier build of the same source, flags and compiler was reused
+    tier: CpuTier
+    build_seconds: float   # finding or compiling the library (compiling: a few seconds)
+    compiled_now: bool     # False: an earlier build of the same sources, flags and compiler was reused
+    _small_linear: dict = field(default_factory=dict, repr=False, compare=False)  # probe results per dtype pair
 
-    def paged_attention_bf16(
+    def _fn(self, name: str, dtype: torch.dtype):
+        return getattr(self.library, f"{name}_{_suffix(dtype)}")
+
+    def paged_attention(
         self,
-        query: torch.Tensor,        # [num_tokens, num_q_heads, head_dim] bf16
-        key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim] bf16
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16
+        query: torch.Tensor,        # [num_tokens, num_q_heads, head_dim] fp32 / bf16
+        key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim], query's dtype
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         attn: AttentionMetadata,
         scale: float,
         num_threads: int,
-    ) -> torch.Tensor:              # [num_tokens, num_q_heads, head_dim] bf16
+    ) -> torch.Tensor:              # [num_tokens, num_q_heads, head_dim], query's dtype
         if query.stride(2) != 1 or query.stride(1) != query.shape[2]:  # rows may be apart (a qkv view)
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
@@ -132,8 +165,9 @@ class NativeKernels:
         start, lens = attn.query_start_loc.contiguous(), attn.seq_lens.contiguous()
         assert tables.dtype == start.dtype == lens.dtype == torch.int32
         assert key_cache.is_contiguous() and value_cache.is_contiguous()
+        assert key_cache.dtype == value_cache.dtype == query.dtype
         _, block_size, num_kv_heads, head_dim = key_cache.shape
-        rc = self.library.vb_paged_attention_bf16(
+        rc = self._fn("vb_paged_attention", query.dtype)(
             query.data_ptr(), query.stride(0), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             tables.data_ptr(), tables.stride(0), start.data_ptr(), lens.data_ptr(), attn.num_reqs,
             query.shape[1], num_kv_heads, head_dim, block_size, scale, num_threads)
@@ -141,122 +175,123 @@ class NativeKernels:
             raise NativeKernelError(f"native paged attention: {_ERRORS.get(rc, f'error {rc}')}")
         return out
 
-    def linear_small_bf16(
+    def linear_small(
         self,
-        rows: torch.Tensor,         # [M, in] bf16, M <= 8 (cpu_linear_small.c's MAX_ROWS)
-        weight: torch.Tensor,       # [out, in] bf16, contiguous
-        bias: torch.Tensor | None,  # [out] bf16
+        rows: torch.Tensor,         # [M, in] fp32 / bf16, M <= 8 (cpu_linear_small.c's MAX_ROWS)
+        weight: torch.Tensor,       # [out, in] contiguous: fp32, fp16 or bf16 (fp32 rows), bf16 (bf16 rows)
+        bias: torch.Tensor | None,  # [out], rows' dtype
         num_threads: int,
-    ) -> torch.Tensor | None:       # [M, out] bf16; None: no such kernel in this build / M > 8
+    ) -> torch.Tensor | None:       # [M, out], rows' dtype; None: no such kernel in this build / M > 8
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype)
-        rc = self.library.vb_linear_small_bf16(
-            rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            rows.shape[0], weight.shape[0], weight.shape[1], num_threads)
+        rc = self._fn("vb_linear_small", rows.dtype)(
+            rows.data_ptr(), weight.data_ptr(), WEIGHT_FORMAT[weight.dtype], None if bias is None else bias.data_ptr(),
+            out.data_ptr(), rows.shape[0], weight.shape[0], weight.shape[1], num_threads)
         return out if rc == 0 else None
 
-    def decoder_layer_bf16(self, layer: VbLayer, step: VbStep, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           hidden: torch.Tensor, residual: torch.Tensor, first_layer: bool, num_threads: int) -> None:
+    def has_small_linear(self, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> bool:
+        """Whether this build has the small-rows linear kernel for `dtype` rows and `weight_dtype`
+        weights (default: the rows' dtype); bf16 rows need avx512_bf16."""
+        weight_dtype = weight_dtype or dtype
+        key = (dtype, weight_dtype)
+        if key not in self._small_linear:
+            probe = torch.zeros(1, 32, dtype=dtype)
+            weights = torch.zeros(16, 32, dtype=weight_dtype)
+            self._small_linear[key] = (dtype in _SUFFIX and weight_dtype in WEIGHT_FORMAT
+                                       and self.linear_small(probe, weights, None, 1) is not None)
+        return self._small_linear[key]
+
+    def decoder_layer(self, layer: VbLayer, step: VbStep, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      hidden: torch.Tensor, residual: torch.Tensor, first_layer: bool, num_threads: int) -> None:
         """In place: hidden [rows, hidden] becomes the layer's output, residual the updated stream."""
-        rc = self.library.vb_decoder_layer_bf16(ctypes.byref(layer), ctypes.byref(step), key_cache.data_ptr(),
-                                                value_cache.data_ptr(), hidden.data_ptr(), residual.data_ptr(),
-                                                int(first_layer), num_threads)
+        rc = self._fn("vb_decoder_layer", hidden.dtype)(
+            ctypes.byref(layer), ctypes.byref(step), key_cache.data_ptr(), value_cache.data_ptr(), hidden.data_ptr(),
+            residual.data_ptr(), int(first_layer), num_threads)
         if rc != 0:
             raise NativeKernelError(f"native decoder layer: {_ERRORS.get(rc, f'error {rc}')}")
 
-    def sample_bf16(self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
-                    num_threads: int) -> torch.Tensor:
-        """logits [rows, vocab] bf16 (unit element stride); temperature [rows] (0: greedy), u [rows]
-        in [0, 1) -> [rows] int64 token ids (cpu_sample.c)."""
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+               num_threads: int) -> torch.Tensor:
+        """logits [rows, vocab] fp32 / bf16 (unit element stride); temperature [rows] (0: greedy), u
+        [rows] in [0, 1) -> [rows] int64 token ids (cpu_sample.c)."""
         assert logits.stride(1) == 1
         temperature = temperature.to(torch.float32).contiguous()
         u = u.to(torch.float32).contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.int64)
-        rc = self.library.vb_sample_bf16(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
-                                         temperature.data_ptr(), u.data_ptr(), out.data_ptr(), num_threads)
+        rc = self._fn("vb_sample", logits.dtype)(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+                                                 temperature.data_ptr(), u.data_ptr(), out.data_ptr(), num_threads)
         if rc != 0:
             raise NativeKernelError(f"native sampler: {_ERRORS.get(rc, f'error {rc}')}")
         return out
 
-    @functools.cached_property
-    def has_small_linear(self) -> bool:
-        """Whether this build has the small-rows linear kernel (it needs avx512_bf16)."""
-        probe = torch.zeros(1, 32, dtype=torch.bfloat16)
-        return self.linear_small_bf16(probe, torch.zeros(16, 32, dtype=torch.bfloat16), None, 1) is not None
-
-    def rms_norm_bf16(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                      num_threads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x, residual: [..., hidden] bf16 contiguous; weight [hidden] bf16 -> (normed, x + residual)."""
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 num_threads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x, residual: [..., hidden] contiguous; weight [hidden], x's dtype -> (normed, x + residual)."""
         out = torch.empty_like(x)
         new_residual = None if residual is None else torch.empty_like(x)
-        self.library.vb_rms_norm_bf16(
+        self._fn("vb_rms_norm", x.dtype)(
             x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
             out.data_ptr(), None if new_residual is None else new_residual.data_ptr(),
             x.numel() // x.shape[-1], x.shape[-1], num_threads)
         return out, new_residual
 
-    def silu_and_mul_bf16(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
-        """x: [..., 2d] bf16 contiguous (gate | up) -> [..., d]."""
+    def silu_and_mul(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """x: [..., 2d] contiguous (gate | up) -> [..., d]."""
         d = x.shape[-1] // 2
         out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-        self.library.vb_silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d, num_threads)
+        self._fn("vb_silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d, num_threads)
         return out
 
-    def rotary_bf16_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                     num_threads: int) -> None:
-        """In place. query [T, Hq, D], key [T, Hk, D] bf16 with unit head and element strides (rows
-        may be apart: views of the fused qkv output); cos, signed_sin [T, D] bf16 contiguous."""
-        self.library.vb_rotary_bf16(query.data_ptr(), query.stride(0), query.shape[1], key.data_ptr(), key.stride(0),
-                                    key.shape[1], cos.data_ptr(), signed_sin.data_ptr(), query.shape[0],
-                                    query.shape[2], num_threads)
+    def rotary_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                num_threads: int) -> None:
+        """In place. query [T, Hq, D], key [T, Hk, D] with unit head and element strides (rows may be
+        apart: views of the fused qkv output); cos, signed_sin [T, D] contiguous, query's dtype."""
+        self._fn("vb_rotary", query.dtype)(
+            query.data_ptr(), query.stride(0), query.shape[1], key.data_ptr(), key.stride(0), key.shape[1],
+            cos.data_ptr(), signed_sin.data_ptr(), query.shape[0], query.shape[2], num_threads)
 
-    def write_kv_bf16(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """key, value [T, Hk, D] bf16 (rows may be apart); caches contiguous; slots [T] int64 contiguous."""
-        self.library.vb_write_kv_bf16(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                                      key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
-                                      key.shape[0], key.shape[1] * key.shape[2])
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """key, value [T, Hk, D] (rows may be apart); caches contiguous, key's dtype; slots [T] int64 contiguous."""
+        self._fn("vb_write_kv", key.dtype)(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                           key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
+                                           key.shape[0], key.shape[1] * key.shape[2])
 
 
-def _bind(path: Path, build_seconds: float, compiled_now: bool) -> NativeKernels:
+def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -> NativeKernels:
     lib = ctypes.CDLL(str(path))
-    fn = lib.vb_paged_attention_bf16
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = ctypes.c_int
-    fn = lib.vb_linear_small_bf16
-    fn.argtypes = [p, p, p, p, i32, i32, i32, i32]
-    fn.restype = ctypes.c_int
-    f32 = ctypes.c_float
-    for name, argtypes in (("vb_rms_norm_bf16", [p, p, p, f32, p, p, i64, i32, i32]),
-                           ("vb_silu_and_mul_bf16", [p, p, i64, i32, i32]),
-                           ("vb_rotary_bf16", [p, i64, i32, p, i64, i32, p, p, i64, i32, i32]),
-                           ("vb_write_kv_bf16", [p, i64, p, i64, p, p, p, i64, i32])):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    fn = lib.vb_decoder_layer_bf16
-    fn.argtypes = [p, p, p, p, p, p, i32, i32]
-    fn.restype = ctypes.c_int
-    fn = lib.vb_sample_bf16
-    fn.argtypes = [p, i64, i32, i32, p, p, p, i32]
-    fn.restype = ctypes.c_int
-    return NativeKernels(lib, path, build_seconds, compiled_now)
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    signatures = {  # name: (argtypes, restype)
+        "vb_paged_attention": ([p, i64, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32], ctypes.c_int),
+        "vb_linear_small": ([p, p, i32, p, p, i32, i32, i32, i32], ctypes.c_int),
+        "vb_rms_norm": ([p, p, p, f32, p, p, i64, i32, i32], None),
+        "vb_silu_and_mul": ([p, p, i64, i32, i32], None),
+        "vb_rotary": ([p, i64, i32, p, i64, i32, p, p, i64, i32, i32], None),
+        "vb_write_kv": ([p, i64, p, i64, p, p, p, i64, i32], None),
+        "vb_decoder_layer": ([p, p, p, p, p, p, i32, i32], ctypes.c_int),
+        "vb_sample": ([p, i64, i32, i32, p, p, p, i32], ctypes.c_int),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        for _, suffix, _ in ACTIVATIONS:
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, restype
+    return NativeKernels(lib, path, tier, build_seconds, compiled_now)
 
 
-_loaded: NativeKernels | None | bool = False
+_loaded: dict[str, NativeKernels | None] = {}
 
 
-def load() -> NativeKernels | None:
-    """The native kernels, built on first use; None (logged once) when they cannot be had."""
-    global _loaded
-    if _loaded is False:
-        _loaded = None
+def load(tier: CpuTier | None = None) -> NativeKernels | None:
+    """The native kernels of `tier` (default: cpu_features.selected_tier()), built on first use;
+    None (logged once) when they cannot be had."""
+    tier = tier or selected_tier()
+    if tier.name not in _loaded:
+        _loaded[tier.name] = None
         if os.environ.get("VBATCH_CPU_NATIVE", "1") != "0":
             try:
                 t0 = time.perf_counter()
-                path, compiled_now = build()
-                _loaded = _bind(path, time.perf_counter() - t0, compiled_now)
+                path, compiled_now = build(tier)
+                _loaded[tier.name] = _bind(path, tier, time.perf_counter() - t0, compiled_now)
             except Exception as e:  # noqa: BLE001 - no compiler / failed build: the torch path runs instead
-                logger.warning("native CPU kernels unavailable (%s); using the compiled torch path", e)
-    return _loaded
-
+                logger.warning("native CPU kernels (%s tier) unavailable (%s); using the torch path", tier.name, e)
+    return _loaded[tier.name]

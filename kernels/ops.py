@@ -1,14 +1,23 @@
 """The dispatch point for every model op: which implementation runs is chosen once, here.
 
-The model calls `get_ops(device)` at construction and keeps the returned `Ops` for its life;
-nothing is looked up per call. Today every device gets the plain PyTorch references (the
-specification); GPU kernels with identical signatures get bound for CUDA in `get_ops` and are
-tested against the references. `build_rope_cache` is set-up, not a hot-path op, so it is
-re-exported as is.
+The model runner calls `get_ops(device, dtype, ...)` once and hands the `Ops` to the model, which
+keeps it for its life; nothing is looked up per call, and nothing downstream re-decides it: the
+runner, the sampler and the benchmarks ask the `Ops`'s fields (its native kernels, CPU tier,
+weight storage, whether it compiles on first use), never compare its `name` (display only).
+
+    CUDA            the Triton kernels (kernels/triton_ops.py), references without triton
+    CPU fp32        prepacked oneDNN GEMMs (kernels/cpu_linear.py) and the native C kernels of the
+                    CPU's tier (kernels/cpu_features.py, cpu_native_ops.py) on every x86-64/ARM CPU
+    CPU bf16        the same with bf16 kernels where the CPU computes bf16 (avx512_bf16); elsewhere
+                    the native attention and elementwise kernels with torch's own GEMMs
+    anything else   the plain PyTorch references (the specification and test oracles)
+
+`build_rope_cache` is set-up, not a hot-path op, so it is re-exported as is.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,10 +58,16 @@ class Ops:
     # Optional, CPU bf16 (kernels/cpu_attention.py): `prepare_attention(attn) -> attn'` runs once per
     # forward; attn' (an AttentionMetadata with extra per-step fields) goes to every layer.
     prepare_attention: Callable[..., Any] | None = None
-    # Optional, CPU bf16 native (kernels/cpu_native_ops.py): `decoder_layer(layer, positions, hidden,
+    # Optional, CPU native (kernels/cpu_native_ops.py): `decoder_layer(layer, positions, hidden,
     # residual, kv_cache, attn, rope) -> (hidden, residual)` runs a whole decoder layer (the model calls
     # it in place of `layer(...)`; it may just call the layer). None: the layers run their forward.
     decoder_layer: Callable[..., Any] | None = None
+    # What the ops are built on, for the engine to ask (never `name`):
+    native: Any = None                  # the NativeKernels they call (CPU); the sampler reads the model's logits with it
+    cpu_tier: Any = None                # the cpu_features.CpuTier they were chosen for (CPU)
+    weight_dtype: torch.dtype | None = None  # how the linear weights are stored (None: the model's dtype)
+    compiles_on_first_use: bool = False  # inductor-compiled paths: the runner warms them up before the first step
+    graph_capturable: bool = False      # CUDA graphs may capture them (Triton: no host-side lengths read)
 
 
 REFERENCE_OPS = Ops(
@@ -66,35 +81,52 @@ REFERENCE_OPS = Ops(
 )
 
 
-def _cpu_ops(dtype: torch.dtype) -> Ops:
-    """bf16 on a CPU with avx512_bf16: prepacked oneDNN GEMMs and the native (C) paged attention,
-    or the inductor-compiled decode attention where no C compiler is at hand.
+def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, prefer_half_weights: bool, tier) -> Ops:
+    """The CPU ops for a `dtype` model on `tier` (kernels/cpu_features.py; None: the selected one).
 
-    fp32 keeps the references: its greedy tokens are tested identical to transformers'."""
-    from . import cpu_attention, cpu_linear, cpu_native, cpu_rotary
-    if not cpu_linear.can_pack(dtype):
-        return REFERENCE_OPS
-    ops = dataclasses.replace(REFERENCE_OPS, name="cpu-bf16", paged_attention=cpu_attention.paged_attention,
-                              pack_linear=cpu_linear.pack_linear, pack_gate_up=cpu_linear.pack_gate_up,
-                              apply_rotary=cpu_rotary.apply_rotary,
-                              prepare_rotary=cpu_rotary.prepare_rotary,
-                              prepare_attention=cpu_attention.prepare_attention)
-    if cpu_native.load() is not None:  # the C kernels (no C compiler: the torch paths above)
-        from . import cpu_native_ops as n
-        ops = dataclasses.replace(ops, name="cpu-bf16-native", paged_attention=n.paged_attention,
-                                  prepare_attention=None, rms_norm=n.rms_norm,
-                                  fused_add_rms_norm=n.fused_add_rms_norm, silu_and_mul=n.silu_and_mul,
-                                  apply_rotary=n.apply_rotary, write_kv_cache=n.write_kv_cache,
-                                  decoder_layer=n.decoder_layer)
+    weight_dtype: how linear weights are stored (None: `dtype`, or the tier's half-precision
+    format when `prefer_half_weights` and the model is fp32 with native kernels to stream it)."""
+    from . import cpu_attention, cpu_features, cpu_linear, cpu_native, cpu_rotary
+    from .cpu_native_ops import NativeOps
+    tier = tier or cpu_features.selected_tier()
+    native = cpu_native.load(tier)
+    fast_bf16 = tier.bf16_compute and cpu_linear.can_pack(torch.bfloat16)
+    if dtype == torch.float32 and weight_dtype is None and prefer_half_weights and native is not None:
+        weight_dtype = tier.half_weight_dtype
+    weight_dtype = weight_dtype or dtype
+    ops = dataclasses.replace(REFERENCE_OPS, name=f"cpu-{_short(dtype)}-{tier.name}", cpu_tier=tier,
+                              weight_dtype=weight_dtype)
+    if dtype == torch.bfloat16 and fast_bf16:
+        ops = dataclasses.replace(ops, apply_rotary=cpu_rotary.apply_rotary, prepare_rotary=cpu_rotary.prepare_rotary)
+        if native is None:  # no C compiler: inductor's decode attention (compiled at the first steps)
+            ops = dataclasses.replace(ops, name=f"{ops.name}-compiled", paged_attention=cpu_attention.paged_attention,
+                                      prepare_attention=cpu_attention.prepare_attention, compiles_on_first_use=True)
+    elif dtype not in (torch.float32, torch.bfloat16):
+        return dataclasses.replace(REFERENCE_OPS, cpu_tier=tier)
+    if cpu_linear.can_pack(dtype) and (dtype == torch.float32 or fast_bf16):
+        ops = dataclasses.replace(
+            ops, pack_linear=functools.partial(cpu_linear.pack_linear, native=native, weight_dtype=weight_dtype),
+            pack_gate_up=functools.partial(cpu_linear.pack_gate_up, native=native, weight_dtype=weight_dtype))
+    if native is not None:
+        ops = NativeOps(native).bind(dataclasses.replace(ops, name=f"{ops.name}-native"))
     return ops
 
 
-def get_ops(device: torch.device | str, dtype: torch.dtype | None = None) -> Ops:
-    """The ops for `device` (and the model's `dtype`; None: the references)."""
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def get_ops(device: torch.device | str, dtype: torch.dtype | None = None, *,
+            weight_dtype: torch.dtype | None = None, prefer_half_weights: bool = False, cpu_tier=None) -> Ops:
+    """The ops for `device` and the model's `dtype` (None: the references). CPU only: `weight_dtype`
+    stores the linear weights in another precision (engine/device.py validates the pair),
+    `prefer_half_weights` lets an fp32 model stream them in the tier's half-precision format, and
+    `cpu_tier` (a cpu_features.CpuTier this CPU runs; default the selected one) picks the kernels'
+    build (the tests and benchmarks compare tiers on one machine)."""
     device = torch.device(device)  # validates the spelling early: a bad device fails at engine start
     if device.type == "cuda":
         from .triton_ops import cuda_ops  # the only place triton gets imported
         return cuda_ops(REFERENCE_OPS)
     if device.type == "cpu" and dtype is not None:
-        return _cpu_ops(dtype)
+        return _cpu_ops(dtype, weight_dtype, prefer_half_weights, cpu_tier)
     return REFERENCE_OPS

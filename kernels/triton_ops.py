@@ -19,7 +19,7 @@ def cuda_ops(reference):  # reference: ops.Ops -> ops.Ops
         logger.warning("triton unavailable (%s): CUDA runs the reference ops; pip install 'vbatch[gpu]'", err)
         return reference
     return dataclasses.replace(
-        reference, name="triton",
+        reference, name="triton", graph_capturable=True,
         write_kv_cache=triton_cache.write_kv_cache,
         paged_attention=triton_attention.paged_attention,
         rms_norm=triton_norm.rms_norm,

@@ -27,3 +27,36 @@ def smollm2_path():
     """The default model as an HF folder (downloaded and converted once into the vbatch cache)."""
     from vbatch.engine.models.resolve import resolve_model
     return resolve_model("smollm2-135m-instruct").path
+
+
+def _cpu():
+    try:
+        from vbatch.kernels import cpu_features
+    except ImportError:       # no torch: nothing CPU-specific runs
+        return None
+    return cpu_features
+
+
+def pytest_report_header(config):
+    """Which CPU this is and which native-kernel tiers the suite builds and tests on it."""
+    cpu_features = _cpu()
+    if cpu_features is None:
+        return []
+    cpu = cpu_features.detect()
+    return [f"CPU: {cpu.model_name} ({cpu.machine}; {cpu.deciding_flags})",
+            f"native-kernel tiers tested: {', '.join(t.name for t in cpu.tiers)}; "
+            f"engine tests run on: {cpu_features.selected_tier().name}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The CPU paths the run exercised: passed tests per native-kernel tier."""
+    cpu_features = _cpu()
+    if cpu_features is None:
+        return
+    passed = [r.nodeid for r in terminalreporter.stats.get("passed", [])]
+    counts = []
+    for tier in cpu_features.detect().tiers:
+        marks = (f"[{tier.name}-", f"-{tier.name}-", f"-{tier.name}]", f"[{tier.name}]")
+        counts.append(f"{tier.name} {sum(any(m in nodeid for m in marks) for nodeid in passed)}")
+    terminalreporter.write_line(f"CPU paths exercised (tier-parametrised tests passed): {', '.join(counts)}; "
+                                f"engine tests on {cpu_features.selected_tier().name}")

@@ -79,12 +79,13 @@ def test_bf16_logits_close_to_fp32(engines, prompts):
     assert max(diffs) < LOGIT_TOL
 
 
-def test_bf16_greedy_tokens_mostly_agree_with_fp32(engines, prompts):
-    fp32, bf16 = engines
+def greedy_agreement(fp32: LLM, other: LLM, prompts, label: str) -> tuple[float, float, list[float]]:
+    """(share of tokens in the common greedy prefix, share of prompts whose first token agrees, the fp32
+    logit margins between fp32's token and `other`'s at each first departure); prints them."""
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     want = [o.outputs[0].token_ids for o in fp32.generate(batch, params)]
-    got = [o.outputs[0].token_ids for o in bf16.generate(batch, params)]
+    got = [o.outputs[0].token_ids for o in other.generate(batch, params)]
     prefix = []
     for a, b in zip(want, got):
         n = 0
@@ -93,14 +94,19 @@ def test_bf16_greedy_tokens_mostly_agree_with_fp32(engines, prompts):
         prefix.append(n)
     share = sum(prefix) / (NUM_TOKENS * len(prompts))
     first = sum(p > 0 for p in prefix) / len(prompts)
-    print(f"bf16 vs fp32 greedy: common prefix covers {share:.1%} of tokens, first token agrees on {first:.0%}; "
-          f"per prompt {prefix}")
-    assert share >= MIN_PREFIX_SHARE
-    assert first >= MIN_FIRST_TOKEN_SHARE
     margins = []
     for ids, a, b, n in zip(prompts, want, got, prefix):
         if n < NUM_TOKENS:
             logits = _prefill_logits(fp32, list(ids) + list(a[:n]))
             margins.append((logits[a[n]] - logits[b[n]]).item())
-    print(f"fp32 margins at the first departures: {[round(m, 3) for m in margins]}")
+    print(f"{label} vs fp32 greedy: common prefix covers {share:.1%} of tokens, first token agrees on {first:.0%}; "
+          f"per prompt {prefix}; fp32 margins at the first departures: {[round(m, 3) for m in margins]}")
+    return share, first, margins
+
+
+def test_bf16_greedy_tokens_mostly_agree_with_fp32(engines, prompts):
+    fp32, bf16 = engines
+    share, first, margins = greedy_agreement(fp32, bf16, prompts, "bf16")
+    assert share >= MIN_PREFIX_SHARE
+    assert first >= MIN_FIRST_TOKEN_SHARE
     assert all(m <= NEAR_TIE for m in margins)

@@ -27,73 +27,96 @@ needs_bf16 = pytest.mark.skipif(not cpu_linear.can_pack(torch.bfloat16),
 
 
 def _backend(name: str) -> cpu_linear.GemmBackend:
-    """oneDNN always; zentorch where its wheel loads (the `zen` extra).
+    """oneDNN and MKL (torch's F.linear) always; zentorch where its wheel loads (the `zen` extra).
 
     NOTE: resolved inside the tests, not at collection: importing zentorch imports triton, and
     tests/test_triton_kernels.py must be the first to import triton (with TRITON_INTERPRET set)."""
-    if name == "onednn":
-        return cpu_linear.ONEDNN
+    if name in ("onednn", "mkl"):
+        return cpu_linear.backend_named(name)
     backend = cpu_linear._zentorch()
     if backend is None:
         pytest.skip("zentorch is not installed (the `zen` extra) or does not fit this torch")
     return backend
 
 
-@needs_bf16
-@pytest.mark.parametrize("backend", ["onednn", "zentorch"])
+# (model dtype, weight storage): bf16 where the CPU computes it; fp32 exact and with fp16 / bf16 weights
+PACKED = [pytest.param(torch.bfloat16, torch.bfloat16, id="bf16", marks=needs_bf16),
+          pytest.param(torch.float32, torch.float32, id="fp32"),
+          pytest.param(torch.float32, torch.float16, id="fp32-fp16w"),
+          pytest.param(torch.float32, torch.bfloat16, id="fp32-bf16w")]
+# one rounding of the result (bf16) or fp32 summation order
+TOL = {torch.bfloat16: 2 ** -8, torch.float32: 1e-5}
+
+
+def _native():
+    from vbatch.kernels import cpu_native
+    return cpu_native.load()
+
+
+@pytest.mark.parametrize("dtype,weights", PACKED)
+@pytest.mark.parametrize("backend", ["onednn", "zentorch", "mkl"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 4, 7, 64, 130])  # 1-4: the native small-rows kernel when built
-def test_packed_linear_matches_f_linear(rows, bias, backend):
+def test_packed_linear_matches_f_linear(rows, bias, backend, dtype, weights):
     backend = _backend(backend)
     torch.manual_seed(rows)
-    linear = nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
-    x = torch.randn(rows, 96).to(torch.bfloat16)
-    packed = cpu_linear.PackedLinear(linear, backend=backend)
+    linear = nn.Linear(96, 200, bias=bias).to(dtype)
+    x = torch.randn(rows, 96).to(dtype)
+    packed = cpu_linear.PackedLinear(linear, backend=backend, native=_native(), weight_dtype=weights)
+    if rows <= packed.SMALL_ROWS and _native() is not None:
+        assert (packed.native is not None) == _native().has_small_linear(dtype, weights)
     got = packed(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
-    exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
-    tol = exact.abs().amax().item() * 2 ** -8
+    assert got.dtype == dtype and got.shape == (rows, 200)
+    weight = linear.weight.to(weights)                       # the stored (rounded) weights are the layer's
+    exact = x.double() @ weight.double().t() + (linear.bias.double() if bias else 0)
+    tol = exact.abs().amax().item() * TOL[dtype]
     assert (got.double() - exact).abs().max().item() <= tol
-    assert (got.double() - F.linear(x, linear.weight, linear.bias).double()).abs().max().item() <= tol
+    assert (got.double() - F.linear(x, weight.to(dtype), linear.bias).double()).abs().max().item() <= tol
 
 
-@needs_bf16
+@pytest.mark.parametrize("dtype,weights", PACKED)
 @pytest.mark.parametrize("backend", ["onednn", "zentorch"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 130])  # <= 4: small-rows kernel + native SiLU; above: fused GEMMs
-def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias, backend):
+def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias, backend, dtype, weights):
     from vbatch.kernels import activation_ref
     backend = _backend(backend)
     torch.manual_seed(rows)
     inter = 80
-    linear = nn.Linear(96, 2 * inter, bias=bias).to(torch.bfloat16)
-    x = torch.randn(rows, 96).to(torch.bfloat16)
-    packed = cpu_linear.PackedGateUp(linear, backend=backend)
-    assert isinstance(cpu_linear.pack_gate_up(linear), cpu_linear.PackedGateUp)
-    product = F.linear(x, linear.weight, linear.bias)                     # [rows, 2 * inter]
+    linear = nn.Linear(96, 2 * inter, bias=bias).to(dtype)
+    x = torch.randn(rows, 96).to(dtype)
+    packed = cpu_linear.PackedGateUp(linear, backend=backend, native=_native(), weight_dtype=weights)
+    bound = cpu_linear.pack_gate_up(linear, native=_native(), weight_dtype=weights)
+    # bf16: SiLU and the product fused into the GEMMs; fp32: one plain GEMM (its post-ops ran slower)
+    assert type(bound) is (cpu_linear.PackedGateUp if dtype == torch.bfloat16 else cpu_linear.PackedLinear)
+    weight = linear.weight.to(weights).to(dtype)
+    product = F.linear(x, weight, linear.bias)                            # [rows, 2 * inter]
+    tol = TOL[dtype]
     assert torch.equal(packed(x), product) or (packed(x).double() - product.double()).abs().max() <= \
-        product.abs().amax().item() * 2 ** -8                              # the Linear's contract
+        product.abs().amax().item() * tol                                  # the Linear's contract
     got = packed.silu_and_mul(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    assert got.dtype == dtype and got.shape == (rows, inter)
     assert packed.silu_and_mul(x.view(1, rows, 96)).shape == (1, rows, inter)
-    # Oracle 1: the exact fp64 result; oracle 2: the reference op on the bf16 product.
-    exact = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
+    # Oracle 1: the exact fp64 result; oracle 2: the reference op on the product.
+    exact = x.double() @ weight.double().t() + (linear.bias.double() if bias else 0)
     gate, up = exact[..., :inter], exact[..., inter:]
     exact_act = gate * torch.sigmoid(gate) * up
     reference = activation_ref.silu_and_mul(product)
     scale = exact_act.abs().amax().item()
-    assert (got.double() - exact_act).abs().max().item() <= scale * 2 ** -6
-    assert (reference.double() - exact_act).abs().max().item() <= scale * 2 ** -6   # the same tolerance fits both
+    act_tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+    assert (got.double() - exact_act).abs().max().item() <= scale * act_tol
+    assert (reference.double() - exact_act).abs().max().item() <= scale * act_tol   # the same tolerance fits both
     assert (got.double() - exact_act).abs().mean() <= 1.5 * (reference.double() - exact_act).abs().mean() + 1e-6
     if rows <= cpu_linear.PackedLinear.SMALL_ROWS and packed.native is not None:
-        assert torch.equal(got, activation_ref.silu_and_mul(packed(x)))                                 # the small path is the separate ops
+        # the small path is the separate native ops
+        assert torch.equal(got, packed.native.silu_and_mul(packed(x), torch.get_num_threads()))
 
 
-@needs_bf16
-@pytest.mark.parametrize("backend", ["onednn", "zentorch"])
-def test_describe_names_the_gemm_library(backend):
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
+@pytest.mark.parametrize("backend", ["onednn", "zentorch", "mkl"])
+def test_describe_names_the_gemm_library(backend, dtype):
     backend = _backend(backend)
-    model = nn.Sequential(nn.Linear(32, 48).to(torch.bfloat16))
+    model = nn.Sequential(nn.Linear(32, 48).to(dtype))
     assert cpu_linear.describe(model) is None                              # nothing packed
     model[0] = cpu_linear.PackedLinear(model[0], backend=backend)
     assert cpu_linear.describe(model).split()[0] == backend.name
@@ -104,25 +127,47 @@ def test_zentorch_is_skipped_when_disabled(monkeypatch):
     assert cpu_linear._zentorch() is None
 
 
-@needs_bf16
-def test_packed_linear_keeps_leading_dims_and_fp32_stays_plain():
-    linear = nn.Linear(32, 48).to(torch.bfloat16)
-    x = torch.randn(2, 3, 32).to(torch.bfloat16)
+def test_gemm_library_default_and_override(monkeypatch):
+    # fp32: oneDNN (measured ahead of zentorch and MKL on Zen 3); VBATCH_GEMM names another.
+    cpu_linear.gemm_backend.cache_clear()
+    monkeypatch.delenv("VBATCH_GEMM", raising=False)
+    try:
+        assert cpu_linear.gemm_backend(torch.float32) is cpu_linear.ONEDNN
+        cpu_linear.gemm_backend.cache_clear()
+        monkeypatch.setenv("VBATCH_GEMM", "mkl")
+        assert cpu_linear.gemm_backend(torch.float32) is cpu_linear.MKL
+        cpu_linear.gemm_backend.cache_clear()
+        monkeypatch.setenv("VBATCH_GEMM", "no-such-library")      # a warning, then the default
+        assert cpu_linear.gemm_backend(torch.float32) is cpu_linear.ONEDNN
+    finally:
+        cpu_linear.gemm_backend.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
+def test_packed_linear_keeps_leading_dims_and_fp16_stays_plain(dtype):
+    linear = nn.Linear(32, 48).to(dtype)
+    x = torch.randn(2, 3, 32).to(dtype)
     assert cpu_linear.pack_linear(linear)(x).shape == (2, 3, 48)
-    plain = nn.Linear(32, 48)
+    plain = nn.Linear(32, 48).to(torch.float16)
     assert cpu_linear.pack_linear(plain) is plain
 
 
-def test_get_ops_binds_fast_cpu_paths_only_for_bf16():
+def test_get_ops_binds_the_cpu_paths_for_fp32_and_bf16():
+    from vbatch.kernels import cpu_features, cpu_native
     assert get_ops("cpu") is REFERENCE_OPS
-    assert get_ops("cpu", torch.float32) is REFERENCE_OPS
+    assert get_ops("cpu", torch.float16).paged_attention is attention_ref.paged_attention  # no fp16 CPU path
+    tier = cpu_features.selected_tier()
+    native = cpu_native.load(tier)
+    fp32 = get_ops("cpu", torch.float32)
+    assert fp32.cpu_tier is tier and fp32.native is native
+    assert isinstance(fp32.pack_linear(nn.Linear(32, 48)), cpu_linear.PackedLinear) == cpu_linear.can_pack(torch.float32)
     bf16_ops = get_ops("cpu", torch.bfloat16)
-    if cpu_linear.can_pack(torch.bfloat16):
-        from vbatch.kernels import cpu_native, cpu_native_ops
-        want = cpu_native_ops.paged_attention if cpu_native.load() else cpu_attention.paged_attention
-        assert bf16_ops.paged_attention is want
-        assert bf16_ops.pack_linear is cpu_linear.pack_linear
-        assert bf16_ops.pack_gate_up is cpu_linear.pack_gate_up
+    if tier.bf16_compute and cpu_linear.can_pack(torch.bfloat16):
+        want = cpu_attention.paged_attention if native is None else None
+        assert want is None or bf16_ops.paged_attention is want
+        assert isinstance(bf16_ops.pack_gate_up(nn.Linear(32, 48).to(torch.bfloat16)), cpu_linear.PackedGateUp)
+    else:  # bf16 is not this CPU's compute dtype: torch's GEMMs stay, the native attention still runs
+        assert bf16_ops.pack_linear(nn.Linear(32, 48).to(torch.bfloat16)).__class__ is nn.Linear
 
 
 def _random_step(context_lens, query_lens, block_size, num_kv_heads=2, group=3, head_dim=16, seed=0):

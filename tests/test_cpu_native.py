@@ -1,9 +1,19 @@
-"""The native C paged attention (kernels/csrc/cpu_paged_attention.c via kernels/cpu_native.py).
+"""The native C kernels (kernels/csrc via kernels/cpu_native.py) of every CPU tier this machine runs.
 
-Oracle: the reference `attention_ref.paged_attention` (itself tested against an fp64 softmax in
-test_kernels_reference.py) on the same bf16 caches. Tolerance 2e-2 as for the other CPU paths:
-outputs are O(1) and rounded to bf16 once; the kernel's q.k sums bf16 products in fp32 and its
-softmax is online (rescaled per block), the reference's is fp32 SDPA.
+Each test runs once per tier the CPU can execute (kernels/cpu_features.py: an AVX-512 bf16 machine
+builds and tests avx512-bf16, avx2 and portable; an AVX2 machine avx2 and portable) and, where the
+kernel has both, for fp32 and bf16 activations. A kernel a tier lacks (the bf16 small-rows linear
+needs avx512_bf16) skips with that reason.
+
+Oracles: the references (attention_ref, norm_ref, activation_ref, cpu_rotary / rotary_ref,
+cache_ref), the exact fp64 product for the small-rows linear, and the layer's own op-by-op
+forward for the fused decoder layer. Tolerances:
+  - attention: bf16 2e-2 (outputs O(1), rounded to bf16 once; q.k sums bf16 products in fp32, the
+    softmax is online, rescaled per block); fp32 2e-5 of the fp32 SDPA reference (summation order).
+  - elementwise: bf16 within one bf16 step of the reference on <= 1% of elements (same roundings,
+    sums in another order); fp32 within 1e-6 relative (FMA contraction, exp polynomial 1e-7).
+  - small-rows linear: within 2^-8 (bf16 rows) or 1e-5 (fp32 rows) of the row's largest output of
+    the fp64 product of the very tensors it multiplies (half-precision weights widened exactly).
 """
 from __future__ import annotations
 
@@ -11,10 +21,12 @@ import pytest
 import torch
 
 from test_cpu_kernels import CASES, _random_step
-from vbatch.kernels import attention_ref, cpu_native, cpu_native_ops, cpu_rotary
+from vbatch.kernels import attention_ref, cpu_features, cpu_native, cpu_rotary
+from vbatch.kernels.cpu_native_ops import NativeOps
 
-native = cpu_native.load()
-pytestmark = pytest.mark.skipif(native is None, reason="no C compiler: the native kernels were not built")
+TIERS = cpu_features.detect().tiers
+DTYPES = [torch.float32, torch.bfloat16]
+ATTN_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 CASES = {**CASES,
          "long_prefill_on_prefix": ([37], [40], 16),      # several 16-row items over many blocks
@@ -24,138 +36,189 @@ CASES = {**CASES,
          "many_decodes": ([int(x) for x in torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(1))],
                           [1] * 40, 16)}
 # (head_dim, query heads per kv head): the specialised copies (64/128 x 1-8), the generic one
-# (96, 12 > 8) and, for head_dim / 16 odd, the fp32 q.k path instead of vdpbf16ps.
+# (96, 12 > 8) and odd numbers of 16-lane vectors (48, 16; the bf16 AVX-512 build then uses fp32 q.k).
 SHAPES = [(64, 3), (64, 7), (128, 2), (32, 1), (96, 12), (48, 3), (16, 2)]
 
 
-def _max_error(case, head_dim, group, threads=2, kv_heads=2):
-    context_lens, query_lens, block_size = CASES[case]
-    query, key_cache, value_cache, attn, _ = _random_step(context_lens, query_lens, block_size,
-                                                          num_kv_heads=kv_heads, group=group, head_dim=head_dim)
+@pytest.fixture(params=TIERS, ids=[t.name for t in TIERS])
+def native(request) -> cpu_native.NativeKernels:
+    kernels = cpu_native.load(request.param)
+    if kernels is None:
+        pytest.skip(f"the {request.param.name} native kernels were not built (no C compiler, or VBATCH_CPU_NATIVE=0)")
+    return kernels
+
+
+@pytest.fixture(params=DTYPES, ids=["fp32", "bf16"])
+def dtype(request) -> torch.dtype:
+    return request.param
+
+
+def _step(case_or_lens, dtype, **kwargs):
+    context_lens, query_lens, block_size = CASES[case_or_lens] if isinstance(case_or_lens, str) else case_or_lens
+    query, key_cache, value_cache, attn, scale = _random_step(context_lens, query_lens, block_size, **kwargs)
+    return query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), attn, scale
+
+
+def _attention_error(native, case, dtype, head_dim=64, group=3, threads=2, kv_heads=2):
+    query, key_cache, value_cache, attn, _ = _step(case, dtype, num_kv_heads=kv_heads, group=group, head_dim=head_dim)
     scale = head_dim ** -0.5
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
-    got = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, threads)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    got = native.paged_attention(query, key_cache, value_cache, attn, scale, threads)
+    assert got.dtype == dtype and got.shape == want.shape
     return (got.float() - want.float()).abs().max().item()
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_attention_matches_reference(case):
-    assert _max_error(case, 64, 3) < 2e-2
+def test_native_attention_matches_reference(native, dtype, case):
+    assert _attention_error(native, case, dtype) < ATTN_TOL[dtype]
 
 
 @pytest.mark.parametrize("head_dim,group", SHAPES)
-def test_native_attention_every_specialisation(head_dim, group):
+def test_native_attention_every_specialisation(native, dtype, head_dim, group):
     for case in ("decode_ragged", "mixed_prefill_and_decode", "long_prefill_on_prefix", "prefill_block_32_on_prefix"):
-        assert _max_error(case, head_dim, group) < 2e-2, case
+        assert _attention_error(native, case, dtype, head_dim, group) < ATTN_TOL[dtype], case
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_native_attention_same_rows_whatever_the_thread_count(threads):
+def test_native_attention_same_rows_whatever_the_thread_count(native, dtype, threads):
     # The work split changes with the thread count (per kv head when there are few requests);
     # every row is computed by one thread in a fixed order, so the results are bit-identical.
-    query, key_cache, value_cache, attn, scale = _random_step([5, 40, 0], [1, 1, 9], 16, num_kv_heads=3,
-                                                              group=3, head_dim=64)
-    one = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 1)
-    many = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, threads)
+    query, key_cache, value_cache, attn, scale = _step(([5, 40, 0], [1, 1, 9], 16), dtype, num_kv_heads=3,
+                                                       group=3, head_dim=64)
+    one = native.paged_attention(query, key_cache, value_cache, attn, scale, 1)
+    many = native.paged_attention(query, key_cache, value_cache, attn, scale, threads)
     assert torch.equal(one, many)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])  # 16: prefill rows take the tiled path
-def test_native_attention_never_reads_unowned_slots(block_size):
+def test_native_attention_never_reads_unowned_slots(native, dtype, block_size):
     # Slots past each request's length and blocks no request owns may hold anything (the cache is
     # allocated with torch.empty): NaN there must not reach the output.
-    query, key_cache, value_cache, attn, scale = _random_step([2, 13, 30], [1, 1, 7], block_size, head_dim=64)
+    query, key_cache, value_cache, attn, scale = _step(([2, 13, 30], [1, 1, 7], block_size), dtype, head_dim=64)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
-    block_size = key_cache.shape[1]
     for r, n in enumerate(attn.seq_lens_list):
-        table = attn.block_tables[r]
-        last = int(table[(n - 1) // block_size])
+        last = int(attn.block_tables[r][(n - 1) // block_size])
         key_cache[last, (n - 1) % block_size + 1:] = float("nan")     # tail of the last block
         value_cache[last, (n - 1) % block_size + 1:] = float("inf")
     owned = {int(b) for r, n in enumerate(attn.seq_lens_list) for b in attn.block_tables[r, :-(-n // block_size)]}
     for b in set(range(key_cache.shape[0])) - owned:
         key_cache[b], value_cache[b] = float("nan"), float("nan")
-    got = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 2)
+    got = native.paged_attention(query, key_cache, value_cache, attn, scale, 2)
     assert torch.isfinite(got.float()).all()
-    assert (got.float() - want.float()).abs().max().item() < 2e-2
+    assert (got.float() - want.float()).abs().max().item() < ATTN_TOL[dtype]
 
 
-def test_native_attention_long_context_softmax_is_stable():
+def test_native_attention_long_context_softmax_is_stable(native, dtype):
     # Large logits (scores ~ +-60) over 2,000 positions: the online softmax must rescale exactly.
-    torch.manual_seed(0)
-    query, key_cache, value_cache, attn, _ = _random_step([1999], [1], 16, head_dim=64)
-    query = (query.float() * 8).to(torch.bfloat16)
+    query, key_cache, value_cache, attn, _ = _step(([1999], [1], 16), dtype, head_dim=64)
+    query = (query.float() * 8).to(dtype)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, 1.0)
-    got = native.paged_attention_bf16(query, key_cache, value_cache, attn, 1.0, 2)
-    assert (got.float() - want.float()).abs().max().item() < 2e-2
+    got = native.paged_attention(query, key_cache, value_cache, attn, 1.0, 2)
+    assert (got.float() - want.float()).abs().max().item() < 10 * ATTN_TOL[dtype]
 
 
-def test_unsupported_shape_is_a_typed_error_and_the_op_falls_back():
-    query, key_cache, value_cache, attn, scale = _random_step([3, 9], [1, 1], 8, head_dim=72)  # 72 % 16 != 0
-    with pytest.raises(cpu_native.NativeKernelError, match="head_dim"):
-        native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 1)
-    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
-    got = cpu_native_ops.paged_attention(query, key_cache, value_cache, attn, scale)  # the bound op
-    assert (got.float() - want.float()).abs().max().item() < 2e-2
-
-
-def test_native_attention_tiled_path_rescales_when_the_max_moves():
+def test_native_attention_tiled_path_rescales_when_the_max_moves(native, dtype):
     # The many-row path keeps its running max until a score exceeds it by more than LAZY_MAX (8):
     # keys growing along the sequence make the max jump by tens at later chunks, and rows
     # that see only the early chunks never rescale. Large logits (+-100) on a prefix and a prefill.
     torch.manual_seed(3)
-    query, key_cache, value_cache, attn, _ = _random_step([30, 0], [50, 70], 16, head_dim=64)
-    query = (query.float() * 4).to(torch.bfloat16)
+    query, key_cache, value_cache, attn, _ = _step(([30, 0], [50, 70], 16), dtype, head_dim=64)
+    query = (query.float() * 4).to(dtype)
     ramp = torch.linspace(0.2, 3.0, key_cache.shape[0] * key_cache.shape[1]).view(key_cache.shape[0], -1, 1, 1)
-    key_cache = (key_cache.float() * ramp).to(torch.bfloat16)
+    key_cache = (key_cache.float() * ramp).to(dtype)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, 1.0)
-    got = native.paged_attention_bf16(query, key_cache, value_cache, attn, 1.0, 2)
-    assert (got.float() - want.float()).abs().max().item() < 2e-2
+    got = native.paged_attention(query, key_cache, value_cache, attn, 1.0, 2)
+    assert (got.float() - want.float()).abs().max().item() < 10 * ATTN_TOL[dtype]
 
 
-def test_build_is_cached_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
+def test_unsupported_shape_is_a_typed_error_and_the_op_falls_back(native, dtype):
+    query, key_cache, value_cache, attn, scale = _step(([3, 9], [1, 1], 8), dtype, head_dim=72)  # 72 % 16 != 0
+    with pytest.raises(cpu_native.NativeKernelError, match="head_dim"):
+        native.paged_attention(query, key_cache, value_cache, attn, scale, 1)
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
+    got = NativeOps(native).paged_attention(query, key_cache, value_cache, attn, scale)  # the bound op
+    assert (got.float() - want.float()).abs().max().item() < ATTN_TOL[dtype]
+
+
+def test_native_attention_reads_query_rows_in_place_from_a_qkv_view(native, dtype):
+    query, key_cache, value_cache, attn, scale = _step(([5, 0, 30], [1, 7, 1], 16), dtype, head_dim=64)
+    qkv = torch.cat([query.flatten(1), torch.randn(query.shape[0], 2 * 2 * 64).to(dtype)], dim=1)
+    view = qkv[:, :query.shape[1] * 64].view(query.shape)      # rows (15 * 64) elements apart
+    assert not view.is_contiguous()
+    want = native.paged_attention(query, key_cache, value_cache, attn, scale, 2)
+    assert torch.equal(native.paged_attention(view, key_cache, value_cache, attn, scale, 2), want)
+
+
+def test_build_is_cached_per_tier_and_a_missing_compiler_is_reported(native, tmp_path, monkeypatch):
     monkeypatch.setenv("VBATCH_CACHE", str(tmp_path))
-    first, compiled_now = cpu_native.build()
+    first, compiled_now = cpu_native.build(native.tier)
     assert compiled_now and first.is_file() and first.is_relative_to(tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert cpu_native.build() == (first, False) and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert cpu_native.build(native.tier) == (first, False) and first.stat().st_mtime_ns == mtime  # reused
+    others = [t for t in TIERS if t != native.tier]
+    if others:  # another tier is another build (its own flags and cache key)
+        assert cpu_native.build_flags(others[0]) != cpu_native.build_flags(native.tier)
     with pytest.raises(FileNotFoundError):
-        cpu_native.build(compiler=str(tmp_path / "no-such-cc"))
+        cpu_native.build(native.tier, compiler=str(tmp_path / "no-such-cc"))
 
 
-@pytest.mark.parametrize("in_features", [576, 80, 1000, 32])     # whole 32-chunks, masked tails, one chunk
+# --- the small-rows linear (kernels/csrc/cpu_linear_small.c) --------------------------------------
+
+WEIGHTS = {torch.float32: [torch.float32, torch.float16, torch.bfloat16], torch.bfloat16: [torch.bfloat16]}
+
+
+@pytest.mark.parametrize("in_features", [576, 80, 1000, 36])     # whole chunks, vector tails, scalar tails
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
-def test_small_linear_matches_exact_product(rows, in_features):
-    # Oracle: the fp64 product of the same bf16 tensors; the kernel sums bf16 products in fp32 and
-    # rounds once, so it is within one bf16 rounding (2^-8 of the row's largest output) of it.
+def test_small_linear_matches_exact_product(native, dtype, rows, in_features):
+    # Oracle: the fp64 product of the same tensors (half-precision weights widened exactly); the
+    # kernel sums in fp32 and rounds once to the rows' dtype.
     torch.manual_seed(rows * 7 + in_features)
     out_features = 200 if in_features != 576 else 960      # 200: a partial last tile of 16 outputs
-    x = torch.randn(rows, in_features).to(torch.bfloat16)
-    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
-    bias = torch.randn(out_features).to(torch.bfloat16)
-    for b in (None, bias):
-        got = native.linear_small_bf16(x, weight, b, 2)
-        if got is None:
-            pytest.skip("this CPU has no avx512_bf16: the small-rows kernel is not built")
-        exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
-        tol = exact.abs().amax(-1, keepdim=True) * 2 ** -8
-        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
-        assert ((got.double() - exact).abs() <= tol).all()
+    x = torch.randn(rows, in_features).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    tol_rel = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    for weight_dtype in WEIGHTS[dtype]:
+        if not native.has_small_linear(dtype, weight_dtype):
+            assert native.tier.name != "avx512-bf16" and dtype == torch.bfloat16
+            pytest.skip(f"the {native.tier.name} tier has no bf16 small-rows kernel (it needs avx512_bf16)")
+        weight = torch.randn(out_features, in_features).to(weight_dtype)
+        for b in (None, bias):
+            got = native.linear_small(x, weight, b, 2)
+            exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
+            tol = exact.abs().amax(-1, keepdim=True) * tol_rel
+            assert got.shape == (rows, out_features) and got.dtype == dtype
+            assert ((got.double() - exact).abs() <= tol).all(), weight_dtype
 
 
-def test_small_linear_refuses_more_than_eight_rows():
-    x, weight = torch.zeros(9, 64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16)
-    assert native.linear_small_bf16(x, weight, None, 1) is None
+def test_small_linear_refuses_more_than_eight_rows(native, dtype):
+    x, weight = torch.zeros(9, 64, dtype=dtype), torch.zeros(16, 64, dtype=dtype)
+    assert native.linear_small(x, weight, None, 1) is None
+
+
+def test_fp16_weights_widen_exactly_including_subnormals_and_specials(native):
+    # Every fp16 bit pattern but NaNs, one per weight: F16C's vcvtph2ps (avx2) and the plain-C bit
+    # arithmetic (portable) must both give the exact fp32 value; x = one-hot rows read them back.
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32)
+    halves = bits.to(torch.int16).view(torch.float16)
+    halves = halves[~torch.isnan(halves) & torch.isfinite(halves)]         # inf * 0 would be NaN
+    weight = halves[: (halves.numel() // 64) * 64].view(-1, 64).contiguous()  # [rows, 64]
+    for j in (0, 17, 63):
+        x = torch.zeros(1, 64)
+        x[0, j] = 1.0
+        got = native.linear_small(x, weight, None, 2)
+        assert torch.equal(got[0], weight[:, j].float())
 
 
 # --- the fused per-token ops (kernels/csrc/cpu_elementwise.c) against their references -----------
 
-def _ulp_close(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 0.01) -> None:
-    # Same roundings at the same places as the reference; only sums taken in another order may
-    # move a result by one bf16 step, on a small share of elements.
-    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+def _close(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 0.01) -> None:
+    # bf16: same roundings at the same places as the reference; only sums taken in another order
+    # may move a result by one bf16 step, on a small share of elements. fp32: 1e-6 relative.
+    assert got.dtype == want.dtype and got.shape == want.shape
     diff = (got.float() - want.float()).abs()
+    if want.dtype == torch.float32:
+        assert (diff <= want.abs() * 1e-6 + 1e-6).all(), diff.max().item()
+        return
     one_step = want.float().abs().clamp_min(1e-30) * 2 ** -7
     assert (diff <= one_step).all()
     assert (diff > 0).float().mean().item() <= max_mismatch
@@ -163,105 +226,130 @@ def _ulp_close(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 0.01
 
 @pytest.mark.parametrize("hidden", [576, 100])  # 100: a tail of 4 after whole vectors
 @pytest.mark.parametrize("rows", [1, 300])      # 300 x 576: above the threading threshold
-def test_native_rms_norms_match_reference(rows, hidden):
+def test_native_rms_norms_match_reference(native, dtype, rows, hidden):
     from vbatch.kernels import norm_ref
     torch.manual_seed(rows + hidden)
-    x = (torch.randn(rows, hidden) * 3).to(torch.bfloat16)
-    residual = torch.randn(rows, hidden).to(torch.bfloat16)
-    weight = (torch.rand(hidden) + 0.5).to(torch.bfloat16)
-    _ulp_close(cpu_native_ops.rms_norm(x, weight, 1e-5), norm_ref.rms_norm(x, weight, 1e-5))
-    got, got_res = cpu_native_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    ops = NativeOps(native)
+    x = (torch.randn(rows, hidden) * 3).to(dtype)
+    residual = torch.randn(rows, hidden).to(dtype)
+    weight = (torch.rand(hidden) + 0.5).to(dtype)
+    _close(ops.rms_norm(x, weight, 1e-5), norm_ref.rms_norm(x, weight, 1e-5))
+    got, got_res = ops.fused_add_rms_norm(x, residual, weight, 1e-5)
     want, want_res = norm_ref.fused_add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(got_res, want_res)  # one rounded add: exact
-    _ulp_close(got, want)
+    _close(got, want)
 
 
 @pytest.mark.parametrize("d", [1536, 40])
-def test_native_silu_and_mul_matches_reference(d):
+def test_native_silu_and_mul_matches_reference(native, dtype, d):
     from vbatch.kernels import activation_ref
     torch.manual_seed(d)
-    x = (torch.randn(64, 2 * d) * 4).to(torch.bfloat16)
-    _ulp_close(cpu_native_ops.silu_and_mul(x), activation_ref.silu_and_mul(x))
+    x = (torch.randn(64, 2 * d) * 4).to(dtype)
+    _close(NativeOps(native).silu_and_mul(x), activation_ref.silu_and_mul(x))
 
 
-def test_native_rotary_matches_reference_on_qkv_views():
+def test_native_rotary_matches_reference_on_qkv_views(native, dtype):
     from vbatch.kernels import rotary_ref
     torch.manual_seed(0)
     cache = rotary_ref.build_rope_cache(64, 2048, 10000.0, None)
     positions = torch.randint(0, 2048, (37,))
-    qkv = torch.randn(37, (9 + 3 + 3) * 64).to(torch.bfloat16)
+    qkv = torch.randn(37, (9 + 3 + 3) * 64).to(dtype)
     q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
     q, k = q.view(37, 9, 64), k.view(37, 3, 64)
     want_q, want_k = rotary_ref.apply_rotary(positions, q.clone(), k.clone(), cache)
-    tables = cpu_rotary.prepare_rotary(positions, cache, torch.bfloat16)
-    got_q, got_k = cpu_native_ops.apply_rotary(positions, q, k, tables)
-    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)  # same products, same roundings
+    tables = cpu_rotary.prepare_rotary(positions, cache, dtype)
+    got_q, got_k = NativeOps(native).apply_rotary(positions, q, k, tables)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)  # same products, same roundings
+    else:  # x * cos + rotated * sin: one FMA instead of two roundings
+        _close(got_q, want_q)
+        _close(got_k, want_k)
     assert got_q.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
 
 
-def test_native_kv_write_matches_reference():
+def test_native_kv_write_matches_reference(native, dtype):
     from vbatch.kernels import cache_ref
     torch.manual_seed(0)
-    kv = torch.randn(5, 2 * 3 * 64).to(torch.bfloat16)
+    kv = torch.randn(5, 2 * 3 * 64).to(dtype)
     k, v = (t.view(5, 3, 64) for t in kv.split([192, 192], dim=-1))
     slots = torch.tensor([17, 3, 40, 41, 0])
-    want_k, want_v = torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16)
+    want_k, want_v = torch.zeros(4, 16, 3, 64, dtype=dtype), torch.zeros(4, 16, 3, 64, dtype=dtype)
     got_k, got_v = want_k.clone(), want_v.clone()
     cache_ref.write_kv_cache(k, v, want_k, want_v, slots)
-    cpu_native_ops.write_kv_cache(k, v, got_k, got_v, slots)
+    NativeOps(native).write_kv_cache(k, v, got_k, got_v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
-def test_native_ops_fall_back_for_inputs_they_do_not_take():
+def test_native_ops_fall_back_for_inputs_they_do_not_take(native):
     from vbatch.kernels import activation_ref, norm_ref
-    x = torch.randn(3, 64)  # fp32: the references run
-    w = torch.ones(64)
-    assert torch.equal(cpu_native_ops.rms_norm(x, w, 1e-6), norm_ref.rms_norm(x, w, 1e-6))
-    assert torch.equal(cpu_native_ops.silu_and_mul(x), activation_ref.silu_and_mul(x))
+    ops = NativeOps(native)
+    x = torch.randn(3, 64, dtype=torch.float16)  # no fp16 activations: the references run
+    w = torch.ones(64, dtype=torch.float16)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), norm_ref.rms_norm(x, w, 1e-6))
+    assert torch.equal(ops.silu_and_mul(x), activation_ref.silu_and_mul(x))
+    y = torch.randn(4, 64)[:, ::2]  # fp32 but not contiguous
+    assert torch.equal(ops.silu_and_mul(y), activation_ref.silu_and_mul(y))
 
 
-def test_native_attention_reads_query_rows_in_place_from_a_qkv_view():
-    query, key_cache, value_cache, attn, scale = _random_step([5, 0, 30], [1, 7, 1], 16, head_dim=64)
-    qkv = torch.cat([query.flatten(1), torch.randn(query.shape[0], 2 * 2 * 64).to(torch.bfloat16)], dim=1)
-    view = qkv[:, :query.shape[1] * 64].view(query.shape)      # rows (15 * 64) elements apart
-    assert not view.is_contiguous()
-    want = native.paged_attention_bf16(query, key_cache, value_cache, attn, scale, 2)
-    assert torch.equal(native.paged_attention_bf16(view, key_cache, value_cache, attn, scale, 2), want)
+# --- the native build chosen by get_ops, or its absence ------------------------------------------
 
-
-def test_without_the_native_build_bf16_ops_keep_the_torch_paths(monkeypatch):
-    # No C compiler (or VBATCH_CPU_NATIVE=0): load() gives None and get_ops binds the torch fast
-    # paths (oneDNN linears, inductor decode attention) instead, same contract.
-    from vbatch.kernels import cpu_attention, cpu_linear
+def test_get_ops_binds_the_tiers_native_kernels(native, dtype):
     from vbatch.kernels.ops import get_ops
-    if not cpu_linear.can_pack(torch.bfloat16):
-        pytest.skip("no oneDNN bf16 on this CPU")
-    monkeypatch.setattr(cpu_native, "_loaded", None)
-    ops = get_ops("cpu", torch.bfloat16)
-    assert ops.name == "cpu-bf16" and ops.paged_attention is cpu_attention.paged_attention
-    linear = torch.nn.Linear(64, 32).to(torch.bfloat16)
-    packed = ops.pack_linear(linear)
-    assert packed.native is None and packed.weight is None  # no second copy of the weights
+    ops = get_ops("cpu", dtype, cpu_tier=native.tier)
+    assert ops.cpu_tier is native.tier and ops.native is native
+    assert ops.decoder_layer is not None and ops.paged_attention.__self__.kernels is native
+    half = get_ops("cpu", torch.float32, prefer_half_weights=True, cpu_tier=native.tier)
+    assert half.weight_dtype == native.tier.half_weight_dtype          # dtype auto on an fp32 tier
+    exact = get_ops("cpu", torch.float32, cpu_tier=native.tier)
+    assert exact.weight_dtype == torch.float32                         # dtype float32: exact weights
+
+
+def test_without_the_native_build_the_ops_keep_the_torch_paths(monkeypatch):
+    # No C compiler (or VBATCH_CPU_NATIVE=0): load() gives None and get_ops binds the torch paths
+    # (oneDNN linears; bf16: the inductor decode attention; fp32: the reference attention).
+    from vbatch.kernels import attention_ref, cpu_attention, cpu_linear
+    from vbatch.kernels.ops import get_ops
+    tier = cpu_features.selected_tier()
+    monkeypatch.setattr(cpu_native, "_loaded", {tier.name: None})
+    ops = get_ops("cpu", torch.float32)
+    assert ops.native is None and ops.decoder_layer is None and ops.paged_attention is attention_ref.paged_attention
+    packed = ops.pack_linear(torch.nn.Linear(64, 32))
+    assert packed.native is None and packed.small_weight is None     # no second copy of the weights
+    assert ops.weight_dtype == torch.float32 and get_ops("cpu", torch.float32, prefer_half_weights=True).weight_dtype \
+        == torch.float32                                             # nothing would stream half weights
+    if tier.bf16_compute and cpu_linear.can_pack(torch.bfloat16):
+        bf16 = get_ops("cpu", torch.bfloat16)
+        assert bf16.paged_attention is cpu_attention.paged_attention and bf16.compiles_on_first_use
     monkeypatch.undo()
-    assert get_ops("cpu", torch.bfloat16).name == "cpu-bf16-native"
+    assert get_ops("cpu", torch.float32).native is not None or cpu_native.load() is None
 
 
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("VBATCH_CPU_NATIVE", "0")
-    monkeypatch.setattr(cpu_native, "_loaded", False)  # forget the cached load
+    monkeypatch.setattr(cpu_native, "_loaded", {})  # forget the cached loads
     assert cpu_native.load() is None
 
 
 # --- the whole decoder layer in one call (kernels/csrc/cpu_decoder_layer.c) ----------------------
 
+# (activation dtype, weight storage): fp32 exact, fp32 with the half formats, bf16
+LAYER_CASES = [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+               (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("act,weights", LAYER_CASES, ids=["fp32", "fp32-fp16w", "fp32-bf16w", "bf16"])
 @pytest.mark.parametrize("name", ["llama_untied_biases", "qwen2"])  # every bias pointer; GQA
-def test_fused_decoder_layer_equals_the_layer_op_by_op(name, monkeypatch):
-    # Oracle: the same bf16 model running its layers' forward (the native ops one by one, each
-    # tested against its reference above). The fused layer composes the same kernels, so the
-    # logits must be identical, not just close, at 1-4 rows; 5 rows must take the layer forward.
+def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weights, monkeypatch):
+    # Oracle: the same model running its layers' forward (the native ops one by one, each tested
+    # against its reference above). The fused layer composes the same kernels, so the logits must
+    # be identical, not just close, at 1-4 rows; 5 rows must take the layer forward.
     from test_llama_model import CONFIGS, PagedBatch, prompts
     from transformers import AutoModelForCausalLM
     from vbatch.engine.models.registry import get_model_class
+    from vbatch.kernels import cpu_native_ops
+    from vbatch.kernels.ops import get_ops
+    if not native.has_small_linear(act, weights):
+        pytest.skip(f"the {native.tier.name} tier has no {act} small-rows kernel: the fused layer is off")
     config = CONFIGS[name]()
     config.hidden_size, config.intermediate_size, config.head_dim = 256, 160, 64  # as the kernels take it
     torch.manual_seed(0)
@@ -269,16 +357,14 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(name, monkeypatch):
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in pname else 0.15 * torch.randn_like(p))
-    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu")
+    ops = get_ops("cpu", act, weight_dtype=weights, cpu_tier=native.tier)
+    model = get_model_class(config)(config, dtype=act, device="cpu", ops=ops)
     model.load_weights(hf.state_dict().items())
     model.finalize_weights()                                   # as the model runner does: packed linears
-    if not native.has_small_linear:
-        pytest.skip("this CPU has no avx512_bf16: the fused layer (built on the small-rows linear) is off")
-    assert model.ops.decoder_layer is cpu_native_ops.decoder_layer
-    assert cpu_native_ops._layer_struct(model.layers[0]) is not None
+    assert ops.decoder_layer.__self__._layer_struct(model.layers[0]) is not None
     calls = []
-    real = cpu_native.NativeKernels.decoder_layer_bf16
-    monkeypatch.setattr(cpu_native.NativeKernels, "decoder_layer_bf16",
+    real = cpu_native.NativeKernels.decoder_layer
+    monkeypatch.setattr(cpu_native.NativeKernels, "decoder_layer",
                         lambda self, *a: calls.append(a[4].shape[0]) or real(self, *a))
     for rows in (1, 2, 4, 5):                   # decode steps of 1, 2 and 4 rows are fused; 5 are not
         seqs = prompts(config.vocab_size, [6, 3, 9, 4, 5][:rows], seed=rows)
@@ -286,7 +372,7 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(name, monkeypatch):
         for fused in (True, False):
             monkeypatch.setattr(cpu_native_ops, "FUSED_LAYER_MAX_ROWS", 4 if fused else 0)
             batch = PagedBatch(model, [len(s) + 3 for s in seqs])
-            batch.kv_caches = [(k.bfloat16(), v.bfloat16()) for k, v in batch.kv_caches]
+            batch.kv_caches = [(k.to(act), v.to(act)) for k, v in batch.kv_caches]
             logits = [batch.step(model, seqs, [0] * rows)]                 # prefill
             for step in range(3):                                          # decode
                 tokens = [[int(l.argmax())] for l in logits[-1][-rows:]] if step else [[5]] * rows

@@ -34,9 +34,9 @@ def build(reqs, vocab=10) -> SamplingMetadata:
     return SamplingMetadata.build(reqs, vocab_size=vocab, device=CPU)
 
 
-def sample(reqs, logits, seed=0, vocab=None) -> SamplerOutput:
+def sample(reqs, logits, seed=0, vocab=None, native=None) -> SamplerOutput:
     meta = build(reqs, vocab or logits.shape[1])
-    return Sampler()(logits, meta, torch.Generator().manual_seed(seed))
+    return Sampler(native=native)(logits, meta, torch.Generator().manual_seed(seed))
 
 
 def processed(reqs, logits) -> torch.Tensor:
@@ -429,60 +429,80 @@ def test_empty_batch():
     assert out.sampled_token_ids.shape == (0,) and out.logprobs == []
 
 
-# ------------------------------------------------------------------ bf16 logits: the native plain-row path
-# The model runner hands the sampler its bf16 logits on CPU when the native kernels are built
-# (kernels/csrc/cpu_sample.c): rows that use only a temperature are drawn there, the others by
-# the torch path above on the same (upcast) logits and the same per-row uniform numbers.
+# ------------------------------------------------------------------ the model's logits: the native plain-row path
+# The model runner hands the sampler the model's own logits on CPU (fp32, or bf16) with the native
+# kernels of its CPU tier (kernels/csrc/cpu_sample.c): rows that use only a temperature are drawn
+# there, the others by the torch path above on the same (upcast) logits and the same per-row
+# uniform numbers. Every test runs for every tier this CPU runs and both logits dtypes.
 
-def _native_or_skip():
+from vbatch.kernels import cpu_features  # noqa: E402
+
+NATIVE_TIERS = cpu_features.detect().tiers
+
+
+@pytest.fixture(params=NATIVE_TIERS, ids=[t.name for t in NATIVE_TIERS])
+def native(request):
     from vbatch.kernels import cpu_native
-    if cpu_native.load() is None:
+    kernels = cpu_native.load(request.param)
+    if kernels is None:
         pytest.skip("no C compiler: the native kernels were not built")
+    return kernels
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def logits_dtype(request):
+    return request.param
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
-@pytest.mark.parametrize("vocab", [5, 37])  # 37: a partial last block of 16
-def test_bf16_plain_rows_match_the_probabilities(temperature, vocab):
-    _native_or_skip()
+@pytest.mark.parametrize("vocab", [5, 37])  # 37: a partial last block of 16 (and of 8, and of 4)
+def test_native_plain_rows_match_the_probabilities(native, logits_dtype, temperature, vocab):
     probs = torch.rand(vocab, generator=torch.Generator().manual_seed(vocab)) + 0.05
     probs[1] = 0.0                                   # log 0 = -inf: never drawn
-    logits = (probs / probs.sum()).log().to(torch.bfloat16)
-    powered = (logits.float() / temperature).softmax(-1)   # the exact target for the bf16 logits
+    logits = (probs / probs.sum()).log().to(logits_dtype)
+    powered = (logits.float() / temperature).softmax(-1)   # the exact target for these logits
     num = 4000
     reqs = [make_request(i, vocab=vocab, temperature=temperature) for i in range(num)]
-    tokens = sample(reqs, logits.expand(num, vocab).contiguous()).sampled_token_ids
+    calls = []
+    real = native.sample
+    object.__setattr__(native, "sample", lambda *a: calls.append(1) or real(*a))  # prove the native path ran
+    try:
+        tokens = sample(reqs, logits.expand(num, vocab).contiguous(), native=native).sampled_token_ids
+    finally:
+        object.__delattr__(native, "sample")
+    assert calls
     freqs = torch.bincount(tokens, minlength=vocab).float() / num
     assert freqs[1] == 0
     assert torch.allclose(freqs, powered, atol=0.03), (freqs, powered)
 
 
-def test_bf16_greedy_is_the_first_argmax():
-    _native_or_skip()
-    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 0.0, 3.0, 0.0]]).to(torch.bfloat16)
+def test_native_greedy_is_the_first_argmax(native, logits_dtype):
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 0.0, 3.0, 0.0]]).to(logits_dtype)
     reqs = [make_request(0, vocab=4, temperature=0.0), make_request(1, vocab=4, temperature=0.0)]
-    assert sample(reqs, logits).sampled_token_ids.tolist() == [1, 0]
+    assert sample(reqs, logits, native=native).sampled_token_ids.tolist() == [1, 0]
+    big = torch.randn(3, 50_000).to(logits_dtype)     # the model's vocabulary size: same argmax as torch
+    reqs = [make_request(i, vocab=50_000, temperature=0.0) for i in range(3)]
+    assert sample(reqs, big, native=native).sampled_token_ids.tolist() == big.float().argmax(-1).tolist()
 
 
-def test_bf16_rows_that_need_more_than_a_temperature_take_the_torch_path():
-    _native_or_skip()
+def test_native_rows_that_need_more_than_a_temperature_take_the_torch_path(native, logits_dtype):
     torch.manual_seed(3)
-    logits = torch.randn(4, VOCAB).to(torch.bfloat16)
+    logits = torch.randn(4, VOCAB).to(logits_dtype)
     def fresh():
         return [make_request("topk", vocab=VOCAB, top_k=3), make_request("plain", vocab=VOCAB),
                 make_request("logprobs", vocab=VOCAB, logprobs=2), make_request("greedy", vocab=VOCAB, temperature=0)]
-    got = sample(fresh(), logits, seed=5)
+    got = sample(fresh(), logits.clone(), seed=5, native=native)
     want = sample(fresh(), logits.float(), seed=5)   # the torch path on the upcast logits, same draws
     assert got.sampled_token_ids[[0, 2, 3]].tolist() == want.sampled_token_ids[[0, 2, 3]].tolist()
     assert got.logprobs[2] is not None and got.logprobs[0] is None
 
 
-def test_bf16_seeded_plain_row_is_batch_invariant_next_to_rows_of_the_torch_path():
-    _native_or_skip()
+def test_native_seeded_plain_row_is_batch_invariant_next_to_rows_of_the_torch_path(native, logits_dtype):
     def run(groups, steps, default_seed=99):
-        sampler, default = Sampler(), torch.Generator().manual_seed(default_seed)
+        sampler, default = Sampler(native=native), torch.Generator().manual_seed(default_seed)
         for step in range(steps):
             batch = groups[step % len(groups)]
-            logits = torch.stack([next_logits(r) for r in batch]).to(torch.bfloat16)
+            logits = torch.stack([next_logits(r) for r in batch]).to(logits_dtype)
             meta = SamplingMetadata.build(batch, vocab_size=VOCAB, device=CPU)
             for r, t in zip(batch, sampler(logits, meta, default).sampled_token_ids.tolist()):
                 r.append_output_token(t)

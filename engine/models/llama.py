@@ -145,13 +145,15 @@ class LlamaForCausalLM(nn.Module):
     o_bias_follows_attention_bias = True
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, ops: Ops | None = None) -> None:
+        """`ops`: the op implementations the runner chose (kernels.ops.get_ops); default: the device's
+        ops for `dtype` with the model's own weight storage."""
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.shape = s = self._read_shape(config, max_model_len)
         _check_full_attention(config, max_model_len or s.max_position)
         self.num_layers, self.num_kv_heads, self.head_dim = s.num_layers, s.num_kv_heads, s.head_dim
-        self.ops = get_ops(self.device, dtype)
+        self.ops = ops if ops is not None else get_ops(self.device, dtype)
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList(LlamaDecoderLayer(s, self.ops) for _ in range(s.num_layers))
@@ -194,14 +196,14 @@ class LlamaForCausalLM(nn.Module):
         layer skips the other rows after the KV write: models/output_rows.py)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        # Ops with a per-step rotary table (CPU bf16) gather cos/sin once here, not in every layer.
+        # Ops with a per-step rotary table (CPU) gather cos/sin once here, not in every layer.
         rope = (self.rope_cache if self.ops.prepare_rotary is None
                 else self.ops.prepare_rotary(positions, self.rope_cache, self.dtype))
         if self.ops.prepare_attention is not None:  # CPU bf16: decode slot table once per step
             attn = self.ops.prepare_attention(attn)
             if output_rows is not None:
                 output_rows = OutputRows(output_rows.indices, self.ops.prepare_attention(output_rows.attn))
-        run = self.ops.decoder_layer  # CPU bf16 native: a whole layer per call at small batch
+        run = self.ops.decoder_layer  # CPU native: a whole layer per call at small batch
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i == last and output_rows is not None:
@@ -224,10 +226,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def finalize_weights(self) -> None:
-        """After load_weights: let the ops repack every Linear (CPU bf16: oneDNN blocked layouts).
+        """After load_weights: let the ops repack every Linear (CPU: oneDNN blocked layouts, and the
+        weights in the ops' storage dtype for the small-rows kernels).
 
         The tied head gets its own packed copy of the embedding (the lookup needs the plain one):
-        26 MB more in bf16, for a 3x faster logits GEMM at batch 64 here."""
+        26 MB more in bf16, for a 3x faster logits GEMM at batch 64 here. With half-precision weight
+        storage (an fp32 model on an AVX2 CPU) the head computes with the rounded embedding, the
+        lookup keeps the exact one."""
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv, attn.o_proj = self.ops.pack_linear(attn.qkv), self.ops.pack_linear(attn.o_proj)

@@ -16,38 +16,45 @@
 
 #include "vb_kernels.h"
 
+/* Norms, biases and activations are act_t (the model's dtype); the four weights are stored as
+ * weight_format says (VB_WEIGHT_*: the model's dtype, or half precision for an fp32 model). */
 typedef struct {
-    const bf16 *input_norm, *post_norm;         /* [hidden] */
-    const bf16 *qkv_weight, *qkv_bias;          /* [q + 2 kv, hidden], bias or NULL */
-    const bf16 *o_weight, *o_bias;              /* [hidden, q] */
-    const bf16 *gate_up_weight, *gate_up_bias;  /* [2 intermediate, hidden] */
-    const bf16 *down_weight, *down_bias;        /* [hidden, intermediate] */
-    int hidden, num_q_heads, num_kv_heads, head_dim, intermediate;
+    const act_t *input_norm, *post_norm;        /* [hidden] */
+    const void *qkv_weight;                     /* [q + 2 kv, hidden] */
+    const act_t *qkv_bias;                      /* bias or NULL */
+    const void *o_weight;                       /* [hidden, q] */
+    const act_t *o_bias;
+    const void *gate_up_weight;                 /* [2 intermediate, hidden] */
+    const act_t *gate_up_bias;
+    const void *down_weight;                    /* [hidden, intermediate] */
+    const act_t *down_bias;
+    int hidden, num_q_heads, num_kv_heads, head_dim, intermediate, weight_format;
     float eps, scale;
 } VbLayer;
 
 typedef struct {
     int rows;                                    /* tokens in the step, at most 8 */
-    const bf16 *cos, *signed_sin;                /* [rows, head_dim] per-token rotary tables */
+    const act_t *cos, *signed_sin;               /* [rows, head_dim] per-token rotary tables */
     const int64_t *slots;                        /* [rows] KV-cache slots of the new tokens */
     const int32_t *block_tables;                 /* [num_reqs, table_stride] */
     int64_t table_stride;
     const int32_t *query_start, *seq_lens;       /* [num_reqs + 1], [num_reqs] */
     int num_reqs, block_size;
-    bf16 *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch rows: [rows, hidden / q+2kv / q / hidden / 2i / i] */
+    act_t *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch rows: [rows, hidden / q+2kv / q / hidden / 2i / i] */
 } VbStep;
 
 /* hidden [rows, hidden_size]: the layer's input, replaced by its output (the MLP's);
  * residual [rows, hidden_size]: the residual stream, updated (first_layer: set from hidden).
  * Returns 0, or the attention/linear codes (1 unsupported shape, 2 out of memory). */
-int vb_decoder_layer_bf16(const VbLayer *L, const VbStep *S, bf16 *key_cache, bf16 *value_cache, bf16 *hidden,
-                          bf16 *residual, int first_layer, int num_threads) {
+int VB_ACT(vb_decoder_layer)(const VbLayer *L, const VbStep *S, act_t *key_cache, act_t *value_cache, act_t *hidden,
+                             act_t *residual, int first_layer, int num_threads) {
     const int T = S->rows, H = L->hidden, D = L->head_dim;
     const int Q = L->num_q_heads * D, KV = L->num_kv_heads * D, QKV = Q + 2 * KV, I = L->intermediate;
     VbAttention *plan = NULL;
-    int rc = vb_attention_plan(&plan, S->qkv, QKV, S->attn, key_cache, value_cache, S->block_tables,
-                               S->table_stride, S->query_start, S->seq_lens, S->num_reqs, L->num_q_heads,
-                               L->num_kv_heads, D, S->block_size, L->scale, num_threads);
+    const int W = L->weight_format;
+    int rc = VB_ACT(vb_attention_plan)(&plan, S->qkv, QKV, S->attn, key_cache, value_cache, S->block_tables,
+                                       S->table_stride, S->query_start, S->seq_lens, S->num_reqs, L->num_q_heads,
+                                       L->num_kv_heads, D, S->block_size, L->scale, num_threads);
     if (rc != 0) return rc;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
@@ -55,29 +62,29 @@ int vb_decoder_layer_bf16(const VbLayer *L, const VbStep *S, bf16 *key_cache, bf
         int mine = 0;
 #pragma omp single
         {
-            if (first_layer) memcpy(residual, hidden, sizeof(bf16) * (size_t)T * H);
-            vb_rms_norm_rows(first_layer ? residual : hidden, first_layer ? NULL : residual, L->input_norm, L->eps,
+            if (first_layer) memcpy(residual, hidden, sizeof(act_t) * (size_t)T * H);
+            VB_ACT(vb_rms_norm_rows)(first_layer ? residual : hidden, first_layer ? NULL : residual, L->input_norm, L->eps,
                              S->normed, first_layer ? NULL : residual, 0, T, H);
         }
-        mine |= vb_linear_small_shared(S->normed, L->qkv_weight, L->qkv_bias, S->qkv, T, QKV, H);
+        mine |= VB_ACT(vb_linear_small_shared)(S->normed, L->qkv_weight, W, L->qkv_bias, S->qkv, T, QKV, H);
 #pragma omp single
         {
-            vb_rotary_rows(S->qkv, QKV, L->num_q_heads, S->qkv + Q, QKV, L->num_kv_heads, S->cos, S->signed_sin, 0, T, D);
-            vb_write_kv_bf16(S->qkv + Q, QKV, S->qkv + Q + KV, QKV, key_cache, value_cache, S->slots, T, KV);
+            VB_ACT(vb_rotary_rows)(S->qkv, QKV, L->num_q_heads, S->qkv + Q, QKV, L->num_kv_heads, S->cos, S->signed_sin, 0, T, D);
+            VB_ACT(vb_write_kv)(S->qkv + Q, QKV, S->qkv + Q + KV, QKV, key_cache, value_cache, S->slots, T, KV);
         }
-        mine |= vb_attention_run_shared(plan);
-        mine |= vb_linear_small_shared(S->attn, L->o_weight, L->o_bias, S->proj, T, H, Q);
+        mine |= VB_ACT(vb_attention_run_shared)(plan);
+        mine |= VB_ACT(vb_linear_small_shared)(S->attn, L->o_weight, W, L->o_bias, S->proj, T, H, Q);
 #pragma omp single
-        vb_rms_norm_rows(S->proj, residual, L->post_norm, L->eps, S->normed, residual, 0, T, H);
-        mine |= vb_linear_small_shared(S->normed, L->gate_up_weight, L->gate_up_bias, S->gate_up, T, 2 * I, H);
+        VB_ACT(vb_rms_norm_rows)(S->proj, residual, L->post_norm, L->eps, S->normed, residual, 0, T, H);
+        mine |= VB_ACT(vb_linear_small_shared)(S->normed, L->gate_up_weight, W, L->gate_up_bias, S->gate_up, T, 2 * I, H);
 #pragma omp single
-        vb_silu_and_mul_rows(S->gate_up, S->act, 0, T, I);
-        mine |= vb_linear_small_shared(S->act, L->down_weight, L->down_bias, hidden, T, H, I);
+        VB_ACT(vb_silu_and_mul_rows)(S->gate_up, S->act, 0, T, I);
+        mine |= VB_ACT(vb_linear_small_shared)(S->act, L->down_weight, W, L->down_bias, hidden, T, H, I);
         if (mine) {
 #pragma omp atomic write
             failed = mine;
         }
     }
-    vb_attention_free(plan);
+    VB_ACT(vb_attention_free)(plan);
     return failed;
 }

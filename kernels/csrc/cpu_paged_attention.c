@@ -1,4 +1,5 @@
-/* Paged attention on CPU over a bf16 KV cache: every row of a flattened batch in one call.
+/* Paged attention on CPU over an fp32 or bf16 KV cache (vb_act.h): every row of a flattened batch
+ * in one call.
  *
  * Specification and test oracle: kernels/attention_ref.py `paged_attention` (same contract).
  * Python binding: kernels/cpu_native.py (built with the system C compiler, loaded with ctypes).
@@ -14,11 +15,11 @@
  * range is split per head only when there are too few requests to keep the threads busy. The G
  * query heads that share a kv head are done together, so each key/value row is used G times.
  * NOTE: one sweep over the request's blocks with an online softmax (running max, rescaled sums and
- * accumulators, as in flash attention): each block's keys and values are read once, in place, in
- * bf16, upcast in registers, while the next block is prefetched (the blocks of a request sit
+ * accumulators, as in flash attention): each block's keys and values are read once, in place,
+ * upcast to fp32 in registers (bf16), while the next block is prefetched (the blocks of a request sit
  * anywhere in the cache, so the hardware prefetcher cannot guess the jump).
- * NOTE: q.k uses vdpbf16ps where the CPU has avx512_bf16 (bf16 pairs multiplied exactly, summed in
- * fp32: the products the reference gets by upcasting both sides), fp32 FMAs otherwise.
+ * NOTE: q.k uses vdpbf16ps for bf16 where the CPU has avx512_bf16 (bf16 pairs multiplied exactly,
+ * summed in fp32: the products the reference gets by upcasting both sides), fp32 FMAs otherwise.
  * NOTE: exp is vb_simd.h's polynomial (relative error about 1e-7).
  * NOTE: only positions below a request's length are read: unwritten cache slots (any bit
  * pattern, NaN included) never reach the arithmetic.
@@ -28,7 +29,6 @@
 #include <string.h>
 
 #include "vb_kernels.h"
-#include "vb_simd.h"
 
 #define ROWS_PER_ITEM 16
 #define MAX_GROUP 16
@@ -40,14 +40,12 @@
 #define PREFETCH_HINT 2
 #define PREFETCH_BLOCKS 1
 
-static inline float exp1(float x) { return exp16(splat(x))[0]; }
-
 typedef struct {
-    const bf16 *query;            /* [T, Hq, D], rows query_stride apart */
+    const act_t *query;           /* [T, Hq, D], rows query_stride apart */
     int64_t query_stride;
-    bf16 *out;                    /* [T, Hq, D] */
-    const bf16 *key_cache;        /* [num_blocks, block_size, Hk, D] */
-    const bf16 *value_cache;
+    act_t *out;                   /* [T, Hq, D] */
+    const act_t *key_cache;       /* [num_blocks, block_size, Hk, D] */
+    const act_t *value_cache;
     const int32_t *block_tables;  /* [R, table_stride] */
     int64_t table_stride;
     const int32_t *query_start;   /* [R + 1] */
@@ -63,6 +61,8 @@ typedef struct {
     int64_t row_stride, block_stride;  /* elements between cache rows (positions), blocks */
     const int32_t *table;              /* the request's block table */
     int q_begin, first_pos;            /* its first query row; the absolute position of that row */
+    int r0, rows, len_max;             /* the item's first row in the request, its row count, and the
+                                          positions its last row sees (< len_max) */
 } ItemView;
 
 static inline ItemView item_view(const Problem *p, const Item *it, int head_dim) {
@@ -72,6 +72,9 @@ static inline ItemView item_view(const Problem *p, const Item *it, int head_dim)
     v.table = p->block_tables + (int64_t)it->req * p->table_stride;
     v.q_begin = p->query_start[it->req];
     v.first_pos = p->seq_lens[it->req] - (p->query_start[it->req + 1] - v.q_begin);
+    v.r0 = it->row_begin;
+    v.rows = it->row_end - it->row_begin;
+    v.len_max = v.first_pos + it->row_end;
     return v;
 }
 
@@ -85,20 +88,23 @@ typedef struct {
     float *tm;                                 /* [ROWS_PER_ITEM * G] running max */
     float *tl;                                 /* [ROWS_PER_ITEM * G, 16] running sums, per lane */
     float *tp;                                 /* [ROWS_PER_ITEM * G, 16] softmax numerators of the chunk */
-    uint32_t *kt;                              /* [D / 2, 16] the chunk's keys as bf16 pairs, transposed */
-    float *vf;                                 /* [16, D] the chunk's values in fp32 */
+    uint32_t *kt;                              /* the chunk's keys, transposed: [D / 2, 16] bf16 pairs
+                                                  (vdpbf16ps) or [D, VL] fp32 (FMAs) */
+    float *vf;                                 /* [CHUNK, D] the chunk's values in fp32 */
 } Scratch;
 
-#if defined(__AVX512BF16__)
+#if VB_ACT_BF16 && defined(__AVX512BF16__)
 #define HAVE_DPBF16 1
+#define CHUNK 16  /* positions per step of the tiled path: one 16-lane score vector */
 #else
 #define HAVE_DPBF16 0
+#define CHUNK VL
 #endif
 
 /* scores[g][o] = q_g . k_o (scaled) for the n rows of one block and one kv head; returns nothing,
  * the block maxima go to bmax[g]. */
 static inline __attribute__((always_inline)) void block_scores(
-        const bf16 *q /* [G, D] of this kv head */, float scale, const bf16 *krows, int64_t row_stride, int n,
+        const act_t *q /* [G, D] of this kv head */, float scale, const act_t *krows, int64_t row_stride, int n,
         float *scores, int score_stride, float *bmax, const int NV, const int G) {
 #if HAVE_DPBF16
     if (NV % 2 == 0) {
@@ -107,7 +113,7 @@ static inline __attribute__((always_inline)) void block_scores(
            instead of 8 per score), leaving the 16 scores in one vector. */
         for (int g = 0; g < G; ++g) {
             __m512bh qb[MAX_HEAD_DIM / 32];
-            for (int c = 0; c < NV / 2; ++c) qb[c] = (__m512bh)_mm512_loadu_si512(q + g * NV * 16 + 32 * c);
+            for (int c = 0; c < NV / 2; ++c) qb[c] = (__m512bh)_mm512_loadu_si512(q + g * NV * VL + 32 * c);
             for (int o0 = 0; o0 < n; o0 += 16) {
                 const int m = n - o0 < 16 ? n - o0 : 16;
                 __m512 dot[16];
@@ -127,19 +133,70 @@ static inline __attribute__((always_inline)) void block_scores(
         return;
     }
 #endif
-    v16f qf[MAX_GROUP][MAX_HEAD_DIM / 16];
+    vf qf[MAX_GROUP][MAX_HEAD_DIM / VL];
     for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NV; ++c) qf[g][c] = load_bf16x16(q + g * NV * 16 + 16 * c) * scale;
+        for (int c = 0; c < NV; ++c) qf[g][c] = load_act(q + g * NV * VL + VL * c) * scale;
     for (int o = 0; o < n; ++o) {
-        v16f k[MAX_HEAD_DIM / 16];
-        for (int c = 0; c < NV; ++c) k[c] = load_bf16x16(krows + o * row_stride + 16 * c);
+        vf k[MAX_HEAD_DIM / VL];
+        for (int c = 0; c < NV; ++c) k[c] = load_act(krows + o * row_stride + VL * c);
         for (int g = 0; g < G; ++g) {
-            v16f dot = qf[g][0] * k[0];
+            vf dot = qf[g][0] * k[0];
             for (int c = 1; c < NV; ++c) dot += qf[g][c] * k[c];
-            const float s = sum16(dot);
+            const float s = hsum(dot);
             scores[g * score_stride + o] = s;
             bmax[g] = s > bmax[g] ? s : bmax[g];
         }
+    }
+}
+
+#define TILED_MIN_ROWS 4
+/* The tiled path keeps its running max until a score exceeds it by more than this (natural log
+ * units): exp(score - max) then stays below e^8 ~ 3e3, far inside fp32, the result is the same
+ * softmax, and the max reduction and rescale run only when the max really moves (measured: a
+ * third of the prefill attention time went to the per-chunk reductions). */
+#define LAZY_MAX 8.0f
+
+/* The tiled paths' values of one chunk of n <= CHUNK positions, in fp32: vf[j][d] (zeros past n). */
+static inline __attribute__((always_inline)) void tiled_values(Scratch *sc, const act_t *vrows, int64_t row_stride,
+                                                               int n, const int NV) {
+    const int D = NV * VL;
+    for (int j = 0; j < CHUNK; ++j) {
+        for (int c = 0; c < NV; ++c)
+            *(vf *)(sc->vf + j * D + VL * c) = j < n ? load_act(vrows + j * row_stride + VL * c) : splat(0.0f);
+    }
+}
+
+/* The tiled paths' p.v for (row, head) pairs [rg_begin, rg_end): tacc[i] += sum_j tp[i][j] * vf[j],
+ * four accumulators at a time: independent FMA chains, shared loads. */
+static inline __attribute__((always_inline)) void tiled_pv(Scratch *sc, int rg_begin, int rg_end, int n, const int NV) {
+    const int D = NV * VL;
+    for (int i0 = rg_begin; i0 < rg_end; i0 += 4) {
+        const int cnt = rg_end - i0 < 4 ? rg_end - i0 : 4;
+        vf a[4][MAX_HEAD_DIM / VL];
+        for (int u = 0; u < 4; ++u)
+            for (int c = 0; c < NV; ++c)
+                a[u][c] = u < cnt ? *(vf *)(sc->tacc + (int64_t)(i0 + u) * D + VL * c) : splat(0.0f);
+        for (int j = 0; j < n; ++j) {
+            vf v[MAX_HEAD_DIM / VL];
+            for (int c = 0; c < NV; ++c) v[c] = *(const vf *)(sc->vf + j * D + VL * c);
+            for (int u = 0; u < 4; ++u) {
+                const float w = u < cnt ? sc->tp[(i0 + u) * 16 + j] : 0.0f;
+                for (int c = 0; c < NV; ++c) a[u][c] += w * v[c];
+            }
+        }
+        for (int u = 0; u < cnt; ++u)
+            for (int c = 0; c < NV; ++c) *(vf *)(sc->tacc + (int64_t)(i0 + u) * D + VL * c) = a[u][c];
+    }
+}
+
+/* The tiled paths' last step for one kv head: out = tacc / sum of the per-lane running sums. */
+static inline __attribute__((always_inline)) void tiled_store(const Problem *p, const Scratch *sc, int64_t first_row,
+                                                              int h, int RG, const int NV, const int G) {
+    const int D = NV * VL;
+    for (int i = 0; i < RG; ++i) {
+        const float inv = 1.0f / hsum(*(const vf *)(sc->tl + i * 16));
+        act_t *os = p->out + ((first_row + i / G) * p->num_q_heads + (int64_t)h * G + i % G) * D;
+        for (int c = 0; c < NV; ++c) store_act(os + VL * c, *(const vf *)(sc->tacc + (int64_t)i * D + VL * c) * inv);
     }
 }
 
@@ -168,12 +225,6 @@ static inline __attribute__((always_inline)) void transpose16x16_epi32(__m512i r
     }
 }
 
-#define TILED_MIN_ROWS 4
-/* The tiled path keeps its running max until a score exceeds it by more than this (natural log
- * units): exp(score - max) then stays below e^8 ~ 3e3, far inside fp32, the result is the same
- * softmax, and the max reduction and rescale run only when the max really moves (measured: a
- * third of the prefill attention time went to the per-chunk reductions). */
-#define LAZY_MAX 8.0f
 /* Many query rows of one request (prefill, chunked prefill): 16 positions at a time, every row of
  * the item against them. The chunk's keys are transposed once into bf16 pairs per lane
  * ([D/2][16 positions]), so q.k for one (row, head) is D/2 vdpbf16ps with the q pair broadcast,
@@ -182,13 +233,11 @@ static inline __attribute__((always_inline)) void transpose16x16_epi32(__m512i r
  * Causal limits differ per row: lanes past a row's position are masked out of the softmax. */
 static inline __attribute__((always_inline)) void attend_rows_tiled(
         const Problem *p, const Item *it, Scratch *sc, const int NV, const int G) {
-    const int D = NV * 16, DP = D / 2, Hq = p->num_q_heads, BS = p->block_size;
+    const int D = NV * VL, DP = D / 2, BS = p->block_size;
     const ItemView iv = item_view(p, it, D);
     const int64_t row_stride = iv.row_stride, block_stride = iv.block_stride;
     const int32_t *table = iv.table;
-    const int q_begin = iv.q_begin, first_pos = iv.first_pos;
-    const int r0 = it->row_begin, R = it->row_end - it->row_begin;
-    const int len_max = first_pos + it->row_end;         /* the item's last row sees positions < this */
+    const int q_begin = iv.q_begin, first_pos = iv.first_pos, r0 = iv.r0, R = iv.rows, len_max = iv.len_max;
     const __m512 scale = _mm512_set1_ps(p->scale);
     for (int h = it->head_begin; h < it->head_end; ++h) {
         for (int i = 0; i < R * G; ++i) sc->tm[i] = -FLT_MAX;
@@ -197,7 +246,7 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
         for (int s0 = 0; s0 < len_max; s0 += 16) {
             const int n = len_max - s0 < 16 ? len_max - s0 : 16;
             const int64_t base = (int64_t)table[s0 / BS] * block_stride + (int64_t)(s0 % BS) * row_stride + (int64_t)h * D;
-            const bf16 *krows = p->key_cache + base, *vrows = p->value_cache + base;
+            const act_t *krows = p->key_cache + base, *vrows = p->value_cache + base;
             for (int b = 0; b < DP; b += 16) {  /* keys transposed: kt[dp][j] = pair dp of position j */
                 __m512i r[16];
                 for (int j = 0; j < 16; ++j)
@@ -205,10 +254,7 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
                 transpose16x16_epi32(r);
                 for (int j = 0; j < 16; ++j) _mm512_store_si512(sc->kt + (b + j) * 16, r[j]);
             }
-            for (int j = 0; j < 16; ++j) {
-                for (int c = 0; c < NV; ++c)
-                    *(v16f *)(sc->vf + j * D + 16 * c) = j < n ? load_bf16x16(vrows + j * row_stride + 16 * c) : splat(0.0f);
-            }
+            tiled_values(sc, vrows, row_stride, n, NV);
             /* rows whose position is below s0 are finished */
             const int first_active = s0 - first_pos > r0 ? s0 - first_pos - r0 : 0;
             const int rg_begin = first_active * G, rg_end = R * G;
@@ -241,44 +287,142 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
                         _mm512_store_ps(sc->tl + i * 16, _mm512_mul_ps(_mm512_load_ps(sc->tl + i * 16), _mm512_set1_ps(alpha)));
                         for (int c = 0; c < NV; ++c) *(v16f *)(sc->tacc + (int64_t)i * D + 16 * c) *= alpha;
                     }
-                    const __m512 e = _mm512_maskz_mov_ps(valid, (__m512)exp16((v16f)_mm512_sub_ps(sc16, _mm512_set1_ps(m))));
+                    const __m512 e = _mm512_maskz_mov_ps(valid, (__m512)vexp((v16f)_mm512_sub_ps(sc16, _mm512_set1_ps(m))));
                     _mm512_store_ps(sc->tl + i * 16, _mm512_add_ps(_mm512_load_ps(sc->tl + i * 16), e));
                     _mm512_store_ps(sc->tp + i * 16, e);
                 }
             }
-            /* p.v, four (row, head) accumulators at a time: independent FMA chains, shared loads */
+            tiled_pv(sc, rg_begin, rg_end, n, NV);
+        }
+        tiled_store(p, sc, (int64_t)q_begin + r0, h, R * G, NV, G);
+    }
+}
+#endif
+#if !HAVE_DPBF16
+/* The chunk's keys in fp32, transposed: kt[d][j] = dimension d of position j (zeros past n), by
+ * VL x VL block transposes. */
+static inline __attribute__((always_inline)) void tiled_keys_fp32(float *kt, const act_t *krows, int64_t row_stride,
+                                                                  int n, const int NV) {
+    for (int c = 0; c < NV; ++c) {
+        vf r[VL];
+        for (int j = 0; j < VL; ++j) r[j] = j < n ? load_act(krows + j * row_stride + VL * c) : splat(0.0f);
+        transpose_lanes(r);
+        for (int d = 0; d < VL; ++d) *(vf *)(kt + (VL * c + d) * VL) = r[d];
+    }
+}
+
+/* attend_rows_tiled for builds without vdpbf16ps (fp32 activations on every tier, bf16 without
+ * avx512_bf16): chunks of VL positions, the same lazy max and p.v, with q.k as fp32 FMAs against
+ * the transposed keys (one broadcast q element times the chunk's values of that dimension), so the
+ * VL scores of a (row, head) come out in one vector, with no per-score horizontal sums. */
+static inline __attribute__((always_inline)) void attend_rows_tiled_fma(
+        const Problem *p, const Item *it, Scratch *sc, const int NV, const int G) {
+    const int D = NV * VL, BS = p->block_size;
+    const ItemView iv = item_view(p, it, D);
+    const int64_t row_stride = iv.row_stride, block_stride = iv.block_stride;
+    const int32_t *table = iv.table;
+    const int q_begin = iv.q_begin, first_pos = iv.first_pos, r0 = iv.r0, R = iv.rows, len_max = iv.len_max;
+    float *kt = (float *)sc->kt;
+    for (int h = it->head_begin; h < it->head_end; ++h) {
+        for (int i = 0; i < R * G; ++i) sc->tm[i] = -FLT_MAX;
+        memset(sc->tl, 0, sizeof(float) * (size_t)R * G * 16);
+        memset(sc->tacc, 0, sizeof(float) * (size_t)R * G * D);
+        for (int s0 = 0; s0 < len_max; s0 += VL) {
+            const int n = len_max - s0 < VL ? len_max - s0 : VL;
+            const int64_t base = (int64_t)table[s0 / BS] * block_stride + (int64_t)(s0 % BS) * row_stride + (int64_t)h * D;
+            tiled_keys_fp32(kt, p->key_cache + base, row_stride, n, NV);
+            tiled_values(sc, p->value_cache + base, row_stride, n, NV);
+            /* rows whose position is below s0 are finished */
+            const int first_active = s0 - first_pos > r0 ? s0 - first_pos - r0 : 0;
+            const int rg_begin = first_active * G, rg_end = R * G;
             for (int i0 = rg_begin; i0 < rg_end; i0 += 4) {
                 const int cnt = rg_end - i0 < 4 ? rg_end - i0 : 4;
-                v16f a[4][MAX_HEAD_DIM / 16];
-                for (int u = 0; u < 4; ++u)
-                    for (int c = 0; c < NV; ++c)
-                        a[u][c] = u < cnt ? *(v16f *)(sc->tacc + (int64_t)(i0 + u) * D + 16 * c) : splat(0.0f);
-                for (int j = 0; j < n; ++j) {
-                    v16f v[MAX_HEAD_DIM / 16];
-                    for (int c = 0; c < NV; ++c) v[c] = *(const v16f *)(sc->vf + j * D + 16 * c);
-                    for (int u = 0; u < 4; ++u) {
-                        const float w = u < cnt ? sc->tp[(i0 + u) * 16 + j] : 0.0f;
-                        for (int c = 0; c < NV; ++c) a[u][c] += w * v[c];
-                    }
+                const act_t *qp[4];
+                vf acc[4];
+                for (int u = 0; u < 4; ++u) {
+                    const int i = i0 + (u < cnt ? u : 0), r = i / G, g = i % G;
+                    qp[u] = p->query + (int64_t)(q_begin + r0 + r) * p->query_stride + ((int64_t)h * G + g) * D;
+                    acc[u] = splat(0.0f);
                 }
-                for (int u = 0; u < cnt; ++u)
-                    for (int c = 0; c < NV; ++c) *(v16f *)(sc->tacc + (int64_t)(i0 + u) * D + 16 * c) = a[u][c];
+                for (int d = 0; d < D; ++d) {
+                    const vf k = *(const vf *)(kt + d * VL);
+                    for (int u = 0; u < 4; ++u) acc[u] += act_to_float(qp[u][d]) * k;
+                }
+                for (int u = 0; u < cnt; ++u) {
+                    const int i = i0 + u, last = first_pos + r0 + i / G - s0;  /* last position this row sees */
+                    const vi valid = mask_lanes_below(last + 1 < n ? last + 1 : n);
+                    const vf scores = acc[u] * p->scale;
+                    const float top = hmax(select_lanes(valid, scores, splat(-FLT_MAX)));
+                    float m = sc->tm[i];
+                    if (top > m + LAZY_MAX) {
+                        /* a score above the running max (+ LAZY_MAX): move the max to this chunk's and
+                           rescale what was accumulated under the old one */
+                        const float alpha = exp1(m - top);
+                        m = sc->tm[i] = top;
+                        *(vf *)(sc->tl + i * 16) *= alpha;
+                        for (int c = 0; c < NV; ++c) *(vf *)(sc->tacc + (int64_t)i * D + VL * c) *= alpha;
+                    }
+                    const vf e = select_lanes(valid, vexp(scores - m), splat(0.0f));
+                    *(vf *)(sc->tl + i * 16) += e;
+                    *(vf *)(sc->tp + i * 16) = e;
+                }
             }
+            tiled_pv(sc, rg_begin, rg_end, n, NV);
         }
-        for (int i = 0; i < R * G; ++i) {
-            const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sc->tl + i * 16));
-            bf16 *os = p->out + ((int64_t)(q_begin + r0 + i / G) * Hq + (int64_t)h * G + i % G) * D;
-            for (int c = 0; c < NV; ++c) store_bf16x16(os + 16 * c, *(v16f *)(sc->tacc + (int64_t)i * D + 16 * c) * inv);
-        }
+        tiled_store(p, sc, (int64_t)q_begin + r0, h, R * G, NV, G);
     }
 }
 #endif
 
-/* One work item. NV (= head_dim / 16) and G are compile-time constants in the specialised copies
+/* Narrow registers (AVX2, SSE, NEON) and G x NV accumulators that would not fit them: one block
+ * of one kv head, one query head at a time: its NV query and NV accumulator vectors stay in
+ * registers, and the block's keys and values (a few KB) are re-read from L1 per query head instead
+ * of spilling G x NV vectors to the stack at every position (measured on Zen 3, fp32, G = 3, D =
+ * 64: the all-heads loop below spent most of its time in spills). */
+static inline __attribute__((always_inline)) void attend_block_by_head(
+        const act_t *q /* [G, D] */, float scale, const act_t *krows, const act_t *vrows, int64_t row_stride,
+        int n, float *mx, float *sum, float *acc /* [G, D] */, float *scores, const int NV, const int G) {
+    for (int g = 0; g < G; ++g) {
+        vf qf[MAX_HEAD_DIM / VL];
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) qf[c] = load_act(q + g * NV * VL + VL * c) * scale;
+        float bmax = mx[g];
+        for (int o = 0; o < n; ++o) {
+            vf dot = qf[0] * load_act(krows + o * row_stride);
+#pragma GCC unroll 16
+            for (int c = 1; c < NV; ++c) dot += qf[c] * load_act(krows + o * row_stride + VL * c);
+            const float s = hsum(dot);
+            scores[o] = s;
+            bmax = s > bmax ? s : bmax;
+        }
+        const float alpha = exp1(mx[g] - bmax);
+        mx[g] = bmax;
+        float bsum = 0.0f;
+        for (int o = 0; o < n; o += VL) {
+            vf e = vexp(*(vf *)(scores + o) - bmax);
+            if (n - o < VL) e = select_lanes(mask_lanes_below(n - o), e, splat(0.0f));
+            *(vf *)(scores + o) = e;
+            bsum += hsum(e);
+        }
+        sum[g] = sum[g] * alpha + bsum;
+        vf a[MAX_HEAD_DIM / VL];
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) a[c] = *(vf *)(acc + g * NV * VL + VL * c) * alpha;
+        for (int o = 0; o < n; ++o) {
+            const float w = scores[o];
+#pragma GCC unroll 16
+            for (int c = 0; c < NV; ++c) a[c] += w * load_act(vrows + o * row_stride + VL * c);
+        }
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) *(vf *)(acc + g * NV * VL + VL * c) = a[c];
+    }
+}
+
+/* One work item. NV (= head_dim / VL) and G are compile-time constants in the specialised copies
  * below, so the query and accumulator vectors of one kv head live in registers. */
 static inline __attribute__((always_inline)) void attend_item(
         const Problem *p, const Item *it, Scratch *sc, const int NV, const int G) {
-    const int D = NV * 16, Hq = p->num_q_heads, BS = p->block_size;
+    const int D = NV * VL, Hq = p->num_q_heads, BS = p->block_size;
     const ItemView iv = item_view(p, it, D);
     const int64_t row_stride = iv.row_stride, block_stride = iv.block_stride;
     const int32_t *table = iv.table;
@@ -295,7 +439,7 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int i = it->row_begin; i < it->row_end; ++i) {
         const int64_t t = q_begin + i;
         const int len = first_pos + i + 1;  /* keys 0 .. first_pos + i */
-        const bf16 *qrow = p->query + t * p->query_stride;
+        const act_t *qrow = p->query + t * p->query_stride;
         for (int j = 0; j < nh * G; ++j) { sc->mx[j] = -FLT_MAX; sc->sum[j] = 0.0f; }
         memset(sc->acc, 0, sizeof(float) * (size_t)nh * G * D);
 
@@ -310,70 +454,105 @@ static inline __attribute__((always_inline)) void attend_item(
                 const int64_t base = block * block_stride + (int64_t)h * D;
                 float *mx = sc->mx + (h - h0) * G, *sum = sc->sum + (h - h0) * G;
                 float *acc = sc->acc + (int64_t)(h - h0) * G * D;
+                if (VL < 16 && G * NV > 8) {  /* a compile-time choice in the specialised copies */
+                    for (int o = 0; o < n_next; ++o) {
+                        const int64_t at = next + o * row_stride + (int64_t)h * D;
+                        for (int b = 0; b < D * (int)sizeof(act_t); b += 64) {
+                            __builtin_prefetch((const char *)(p->key_cache + at) + b, 0, PREFETCH_HINT);
+                            __builtin_prefetch((const char *)(p->value_cache + at) + b, 0, PREFETCH_HINT);
+                        }
+                    }
+                    attend_block_by_head(qrow + (int64_t)h * G * D, p->scale, p->key_cache + base,
+                                         p->value_cache + base, row_stride, n, mx, sum, acc, sc->scores, NV, G);
+                    continue;
+                }
                 float bmax[MAX_GROUP];
                 for (int g = 0; g < G; ++g) bmax[g] = mx[g];
                 block_scores(qrow + (int64_t)h * G * D, p->scale, p->key_cache + base, row_stride, n,
                              sc->scores, SS, bmax, NV, G);
                 /* online softmax: rescale what was accumulated under the old max */
-                v16f a[MAX_GROUP][MAX_HEAD_DIM / 16];
+                vf a[MAX_GROUP][MAX_HEAD_DIM / VL];
                 for (int g = 0; g < G; ++g) {
                     const float alpha = exp1(mx[g] - bmax[g]);
                     mx[g] = bmax[g];
                     float *sg = sc->scores + g * SS, bsum = 0.0f;
-                    for (int o = 0; o < n; o += 16) {
-                        v16f e = exp16(*(v16f *)(sg + o) - bmax[g]);
+                    for (int o = 0; o < n; o += VL) {
+                        vf e = vexp(*(vf *)(sg + o) - bmax[g]);
                         const int left = n - o;
-                        if (left < 16)
-                            for (int j = left; j < 16; ++j) e[j] = 0.0f;
-                        *(v16f *)(sg + o) = e;
-                        bsum += sum16(e);
+                        if (left < VL) e = select_lanes(mask_lanes_below(left), e, splat(0.0f));
+                        *(vf *)(sg + o) = e;
+                        bsum += hsum(e);
                     }
                     sum[g] = sum[g] * alpha + bsum;
-                    for (int c = 0; c < NV; ++c) a[g][c] = *(v16f *)(acc + g * D + 16 * c) * alpha;
+                    for (int c = 0; c < NV; ++c) a[g][c] = *(vf *)(acc + g * D + VL * c) * alpha;
                 }
-                const bf16 *vrows = p->value_cache + base;
+                const act_t *vrows = p->value_cache + base;
                 for (int o = 0; o < n; ++o) {
                     if (o < n_next) {
                         const int64_t at = next + o * row_stride + (int64_t)h * D;
-                        for (int b = 0; b < D * 2; b += 64) {
+                        for (int b = 0; b < D * (int)sizeof(act_t); b += 64) {
                             __builtin_prefetch((const char *)(p->key_cache + at) + b, 0, PREFETCH_HINT);
                             __builtin_prefetch((const char *)(p->value_cache + at) + b, 0, PREFETCH_HINT);
                         }
                     }
-                    v16f v[MAX_HEAD_DIM / 16];
-                    for (int c = 0; c < NV; ++c) v[c] = load_bf16x16(vrows + o * row_stride + 16 * c);
+                    vf v[MAX_HEAD_DIM / VL];
+                    for (int c = 0; c < NV; ++c) v[c] = load_act(vrows + o * row_stride + VL * c);
                     for (int g = 0; g < G; ++g) {
                         const float w = sc->scores[g * SS + o];
                         for (int c = 0; c < NV; ++c) a[g][c] += w * v[c];
                     }
                 }
                 for (int g = 0; g < G; ++g)
-                    for (int c = 0; c < NV; ++c) *(v16f *)(acc + g * D + 16 * c) = a[g][c];
+                    for (int c = 0; c < NV; ++c) *(vf *)(acc + g * D + VL * c) = a[g][c];
             }
         }
         for (int h = h0; h < h0 + nh; ++h)
             for (int g = 0; g < G; ++g) {
                 const float inv = 1.0f / sc->sum[(h - h0) * G + g];
                 const float *acc = sc->acc + ((int64_t)(h - h0) * G + g) * D;
-                bf16 *os = p->out + (t * Hq + (int64_t)h * G + g) * D;
-                for (int c = 0; c < NV; ++c) store_bf16x16(os + 16 * c, *(const v16f *)(acc + 16 * c) * inv);
+                act_t *os = p->out + (t * Hq + (int64_t)h * G + g) * D;
+                for (int c = 0; c < NV; ++c) store_act(os + VL * c, *(const vf *)(acc + VL * c) * inv);
             }
     }
 }
 
 #define SPECIALISE(DIM, GROUP) \
     static void attend_##DIM##_##GROUP(const Problem *p, const Item *it, Scratch *sc) { \
-        attend_item(p, it, sc, DIM / 16, GROUP); }
+        attend_item(p, it, sc, DIM / VL, GROUP); }
 #define SPECIALISE_GROUPS(DIM) SPECIALISE(DIM, 1) SPECIALISE(DIM, 2) SPECIALISE(DIM, 3) SPECIALISE(DIM, 4) \
     SPECIALISE(DIM, 5) SPECIALISE(DIM, 6) SPECIALISE(DIM, 7) SPECIALISE(DIM, 8)
 SPECIALISE_GROUPS(64)
 SPECIALISE_GROUPS(128)
 
 static void attend_generic(const Problem *p, const Item *it, Scratch *sc) {
-    attend_item(p, it, sc, p->head_dim / 16, p->num_q_heads / p->num_kv_heads);
+    attend_item(p, it, sc, p->head_dim / VL, p->num_q_heads / p->num_kv_heads);
 }
 
 typedef void (*AttendFn)(const Problem *, const Item *, Scratch *);
+
+#if HAVE_DPBF16
+static AttendFn pick_tiled(int head_dim, int block_size) {  /* inside attend_item (vdpbf16ps) */
+    (void)head_dim; (void)block_size;
+    return NULL;
+}
+#else
+/* The FMA tiled path is specialised on head_dim only (the group is a loop bound there): 18 copies
+ * of it cost the AVX2 build 20 s of compile time for nothing measurable. */
+#define SPECIALISE_TILED(DIM) \
+    static void attend_tiled_##DIM(const Problem *p, const Item *it, Scratch *sc) { \
+        attend_rows_tiled_fma(p, it, sc, DIM / VL, p->num_q_heads / p->num_kv_heads); }
+SPECIALISE_TILED(64)
+SPECIALISE_TILED(128)
+
+static void attend_tiled_generic(const Problem *p, const Item *it, Scratch *sc) {
+    attend_rows_tiled_fma(p, it, sc, p->head_dim / VL, p->num_q_heads / p->num_kv_heads);
+}
+
+static AttendFn pick_tiled(int head_dim, int block_size) {  /* items of >= TILED_MIN_ROWS rows */
+    if (block_size % 16 != 0) return NULL;
+    return head_dim == 64 ? attend_tiled_64 : head_dim == 128 ? attend_tiled_128 : attend_tiled_generic;
+}
+#endif
 
 static AttendFn pick(int head_dim, int group) {
     static const AttendFn by64[8] = {attend_64_1, attend_64_2, attend_64_3, attend_64_4,
@@ -389,6 +568,7 @@ static AttendFn pick(int head_dim, int group) {
 struct VbAttention {
     Problem problem;
     AttendFn fn;
+    AttendFn tiled_fn;  /* items of TILED_MIN_ROWS rows or more, where the build has a separate copy */
     Item *items;
     int64_t num_items;
     int heads_per_item, group;
@@ -396,9 +576,9 @@ struct VbAttention {
 
 /* Returns 0, or: 1 unsupported shape (head_dim not a multiple of 16 or above 256, more than 16
  * query heads per kv head, block size above 1024), 2 out of memory. */
-int vb_attention_plan(
-        VbAttention **plan, const bf16 *query, int64_t query_stride, bf16 *out, const bf16 *key_cache,
-        const bf16 *value_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
+int VB_ACT(vb_attention_plan)(
+        VbAttention **plan, const act_t *query, int64_t query_stride, act_t *out, const act_t *key_cache,
+        const act_t *value_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
         const int32_t *seq_lens, int num_reqs, int num_q_heads, int num_kv_heads, int head_dim,
         int block_size, float scale, int num_threads) {
     const int group = num_q_heads / num_kv_heads;
@@ -435,6 +615,7 @@ int vb_attention_plan(
                              seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, scale};
     pl->problem = problem;
     pl->fn = pick(head_dim, group);
+    pl->tiled_fn = pick_tiled(head_dim, block_size);
     pl->items = items;
     pl->num_items = num_items;
     pl->heads_per_item = heads_per_item;
@@ -443,7 +624,7 @@ int vb_attention_plan(
     return 0;
 }
 
-void vb_attention_free(VbAttention *plan) {
+void VB_ACT(vb_attention_free)(VbAttention *plan) {
     if (plan) free(plan->items);
     free(plan);
 }
@@ -451,13 +632,16 @@ void vb_attention_free(VbAttention *plan) {
 /* Called by every thread of the enclosing team (or alone): runs the items shared out by an
  * orphaned `omp for`, which ends with the team's barrier. Returns 0, or 2 when this thread's
  * scratch could not be allocated (its items are then not computed). */
-int vb_attention_run_shared(const VbAttention *plan) {
+int VB_ACT(vb_attention_run_shared)(const VbAttention *plan) {
     const int group = plan->group, head_dim = plan->problem.head_dim, heads_per_item = plan->heads_per_item;
     /* one aligned allocation: per-row state, then the tiled path's buffers (16-float aligned) */
     const size_t rg = (size_t)ROWS_PER_ITEM * group, up = 16;
+    /* the last: the transposed keys (bf16 pairs: head_dim / 2 x 16 words; fp32: head_dim x 16), then
+       the chunk's fp32 values (16 x head_dim) */
+    const size_t key_words = (size_t)head_dim * 16 / (HAVE_DPBF16 ? 2 : 1);
     const size_t sizes[8] = {(size_t)heads_per_item * group * head_dim, (size_t)heads_per_item * group,
                              (size_t)heads_per_item * group, rg * head_dim, rg, rg * 16, rg * 16,
-                             (size_t)head_dim / 2 * 16 + (size_t)16 * head_dim};
+                             key_words + (size_t)16 * head_dim};
     size_t total = 0;
     for (int j = 0; j < 8; ++j) total += (sizes[j] + up - 1) / up * up;
     Scratch *sc = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
@@ -469,35 +653,39 @@ int vb_attention_run_shared(const VbAttention *plan) {
         sc->acc = at[0]; sc->mx = at[1]; sc->sum = at[2];
         sc->tacc = at[3]; sc->tm = at[4]; sc->tl = at[5]; sc->tp = at[6];
         sc->kt = (uint32_t *)at[7];
-        sc->vf = at[7] + (size_t)head_dim / 2 * 16;
+        sc->vf = at[7] + key_words;
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < plan->num_items; ++i)
-        if (state) plan->fn(&plan->problem, &plan->items[i], sc);
+    for (int64_t i = 0; i < plan->num_items; ++i) {
+        const Item *it = &plan->items[i];
+        if (!state) continue;
+        if (plan->tiled_fn && it->row_end - it->row_begin >= TILED_MIN_ROWS) plan->tiled_fn(&plan->problem, it, sc);
+        else plan->fn(&plan->problem, it, sc);
+    }
     free(state);
     free(sc);
     return state ? 0 : 2;
 }
 
 /* The whole call: plan, run on num_threads threads, free. Returns vb_attention_plan's codes. */
-int vb_paged_attention_bf16(
-        const bf16 *query, int64_t query_stride, bf16 *out, const bf16 *key_cache, const bf16 *value_cache,
+int VB_ACT(vb_paged_attention)(
+        const act_t *query, int64_t query_stride, act_t *out, const act_t *key_cache, const act_t *value_cache,
         const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
         const int32_t *seq_lens, int num_reqs, int num_q_heads, int num_kv_heads, int head_dim,
         int block_size, float scale, int num_threads) {
     VbAttention *plan = NULL;
-    const int rc = vb_attention_plan(&plan, query, query_stride, out, key_cache, value_cache, block_tables,
+    const int rc = VB_ACT(vb_attention_plan)(&plan, query, query_stride, out, key_cache, value_cache, block_tables,
                                      table_stride, query_start, seq_lens, num_reqs, num_q_heads, num_kv_heads,
                                      head_dim, block_size, scale, num_threads);
     if (rc != 0) return rc;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && plan->num_items > 1)
     {
-        if (vb_attention_run_shared(plan) != 0) {
+        if (VB_ACT(vb_attention_run_shared)(plan) != 0) {
 #pragma omp atomic write
             failed = 2;
         }
     }
-    vb_attention_free(plan);
+    VB_ACT(vb_attention_free)(plan);
     return failed;
 }

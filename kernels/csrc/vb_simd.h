@@ -1,88 +1,204 @@
-/* Shared helpers of the native CPU kernels: 16-lane float vectors, bf16 <-> fp32, exp, sums.
+/* Shared helpers of the native CPU kernels: float vectors of the target's register width,
+ * bf16/fp16 <-> fp32, exp, horizontal sums and maxima, lane masks.
  *
- * GCC/Clang vector extensions (AVX-512 registers here; the compiler splits them into narrower
- * ones on CPUs without AVX-512), plus AVX-512 intrinsics where the generic form compiles badly.
- * bf16 -> fp32 is exact (a shift); fp32 -> bf16 rounds to nearest even like torch's .to().
+ * `vf` holds VL floats, VL being the width of the registers the library is built for (its CPU
+ * tier, kernels/cpu_features.py): 16 with AVX-512, 8 with AVX/AVX2, 4 otherwise (SSE2 on
+ * x86-64, NEON on aarch64). The kernels are written once against vf and VL in GCC/Clang vector
+ * extensions; intrinsics appear only where the generic form compiles badly and the target has
+ * the instruction (AVX-512, F16C).
+ * NOTE: why not one 16-lane type everywhere: GCC 12 lowers 64-byte vectors badly on targets
+ * without 512-bit registers (arrays of them moved through the stack in 64-bit pieces, every
+ * comparison turned into 16 scalar compares and branches): the AVX2 attention ran 10x slower.
+ * bf16 -> fp32 is exact (a shift); fp32 -> bf16 rounds to nearest even like torch's .to();
+ * fp16 -> fp32 is exact (F16C's vcvtph2ps, or the same bit arithmetic in plain C).
  */
 #ifndef VB_SIMD_H
 #define VB_SIMD_H
 
 #include <stdint.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
-typedef uint16_t bf16;
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
-
-static inline v16f splat(float x) { return (v16f){0} + x; }
-
-static inline v16f load_bf16x16(const bf16 *src) {
-#ifdef __AVX512F__
-    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
 #else
-    const v16h h = *(const v16h *)src;
-    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+#define VL 4
+#endif
+
+typedef uint16_t bf16;
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+typedef uint16_t vh __attribute__((vector_size(2 * VL), aligned(2)));
+typedef float vf_unaligned __attribute__((vector_size(4 * VL), aligned(4)));
+/* The AVX-512 code paths (vdpbf16ps) name their 16-lane vectors explicitly. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+#if VL == 16
+#define LANE_INDEX {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#elif VL == 8
+#define LANE_INDEX {0, 1, 2, 3, 4, 5, 6, 7}
+#else
+#define LANE_INDEX {0, 1, 2, 3}
+#endif
+
+static inline vf splat(float x) { return (vf){0} + x; }
+
+static inline vf widen_bf16(vh h) { return (vf)(__builtin_convertvector(h, vu) << 16); }
+
+static inline vf load_bf16(const bf16 *src) {
+#if VL == 16
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
+#else
+    return widen_bf16(*(const vh *)src);
 #endif
 }
 
-static inline v16h round_bf16x16(v16f f) {  /* round to nearest even; NaN stays NaN */
-    v16u u = (v16u)f;
-    const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);  /* all-ones lanes where f is NaN */
-    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+static inline vh round_bf16(vf f) {  /* round to nearest even; NaN stays NaN */
+    vu u = (vu)f;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);  /* all-ones lanes where f is NaN */
+    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     u = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
-    return __builtin_convertvector(u, v16h);
+    return __builtin_convertvector(u, vh);
 }
 
-static inline void store_bf16x16(bf16 *dst, v16f f) { *(v16h *)dst = round_bf16x16(f); }
+static inline void store_bf16(bf16 *dst, vf f) { *(vh *)dst = round_bf16(f); }
 
-/* The first n (< 16) lanes: loads read zeros past them, stores leave dst[n..] alone. */
-static inline v16f load_bf16_tail(const bf16 *src, int n) {
-    bf16 tmp[16] = {0};
+/* The first n (< VL) lanes: loads read zeros past them, stores leave dst[n..] alone. */
+static inline vf load_bf16_tail(const bf16 *src, int n) {
+    bf16 tmp[VL] = {0};
     for (int j = 0; j < n; ++j) tmp[j] = src[j];
-    return load_bf16x16(tmp);
+    return load_bf16(tmp);
 }
 
-static inline void store_bf16_tail(bf16 *dst, v16f f, int n) {
-    const v16h h = round_bf16x16(f);
+static inline void store_bf16_tail(bf16 *dst, vf f, int n) {
+    const vh h = round_bf16(f);
     for (int j = 0; j < n; ++j) dst[j] = h[j];
 }
 
-static inline float sum16(v16f v) {
-    v += __builtin_shuffle(v, (v16u){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (v16u){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+static inline vf load_f32(const float *src) { return *(const vf_unaligned *)src; }
+static inline void store_f32(float *dst, vf v) { *(vf_unaligned *)dst = v; }
+
+/* VL IEEE half-precision values -> fp32, exactly (normals, subnormals, inf and NaN). */
+static inline vf load_f16(const uint16_t *src) {
+#if VL == 16
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+#elif VL == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+#else
+    const vu h = __builtin_convertvector(*(const vh *)src, vu);
+    /* exponent and mantissa moved into fp32 position, then scaled by 2^112: exact for normals
+       and subnormals alike (the multiply renormalises); exponent 31 (inf/NaN) set to 255 */
+    const vu bits = (h & 0x7fffu) << 13;
+    const vf scaled = (vf)bits * 0x1p112f;
+    const vu special = (vu)((h & 0x7c00u) == 0x7c00u);
+    const vu magnitude = ((vu)scaled & ~special) | ((bits | 0x7f800000u) & special);
+    return (vf)(magnitude | ((h & 0x8000u) << 16));
+#endif
+}
+
+/* Lane masks (all-ones lanes where true) and a select. */
+static inline vi mask_lanes_below(int n) { return (vi)LANE_INDEX < n; }  /* lane index < n */
+static inline vf select_lanes(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* Lane i ^ k for every lane i (the butterfly partner at distance k). */
+#if VL == 16
+#define XOR_LANES(k) ((vu){0 ^ k, 1 ^ k, 2 ^ k, 3 ^ k, 4 ^ k, 5 ^ k, 6 ^ k, 7 ^ k, \
+                         8 ^ k, 9 ^ k, 10 ^ k, 11 ^ k, 12 ^ k, 13 ^ k, 14 ^ k, 15 ^ k})
+#elif VL == 8
+#define XOR_LANES(k) ((vu){0 ^ k, 1 ^ k, 2 ^ k, 3 ^ k, 4 ^ k, 5 ^ k, 6 ^ k, 7 ^ k})
+#else
+#define XOR_LANES(k) ((vu){0 ^ k, 1 ^ k, 2 ^ k, 3 ^ k})
+#endif
+
+/* Sum and maximum of the lanes: lane i combined with lane i ^ VL/2, then i ^ VL/4, ... (for 16
+ * lanes the order _mm512_reduce_add_ps uses). */
+static inline float hsum(vf v) {
+    for (int k = VL / 2; k >= 1; k /= 2) v += __builtin_shuffle(v, XOR_LANES(k));
     return v[0];
 }
 
-/* e^x, 16 lanes, x clamped to [-87, 88]: range reduction to [-0.5, 0.5] in base 2 and a degree-7
+static inline vf max_lanes(vf a, vf b) { return select_lanes(a < b, b, a); }
+
+static inline float hmax(vf v) {
+    for (int k = VL / 2; k >= 1; k /= 2) v = max_lanes(v, __builtin_shuffle(v, XOR_LANES(k)));
+    return v[0];
+}
+
+/* e^x per lane, x clamped to [-87, 88]: range reduction to [-0.5, 0.5] in base 2 and a degree-7
  * Taylor polynomial (relative error about 1e-7), so it vectorises without -ffast-math (whose
  * shared-library start-up code would flush denormals for the whole process on GCC < 13). */
-static inline v16f exp16(v16f x) {
-    const v16i low = x < -87.0f, high = x > 88.0f;  /* all-ones lanes out of range */
-    x = (v16f)(((v16i)x & ~low) | ((v16i)splat(-87.0f) & low));
-    x = (v16f)(((v16i)x & ~high) | ((v16i)splat(88.0f) & high));
-    const v16f t = x * 1.4426950408889634f;  /* x / ln 2 */
-#ifdef __AVX512F__
-    const v16f n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+static inline vf vexp(vf x) {
+    const vi low = x < -87.0f, high = x > 88.0f;  /* all-ones lanes out of range */
+    x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
+    x = (vf)(((vi)x & ~high) | ((vi)splat(88.0f) & high));
+    const vf t = x * 1.4426950408889634f;  /* x / ln 2 */
+#if VL == 16
+    const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-    v16f n;
-    for (int j = 0; j < 16; ++j) n[j] = __builtin_rintf(t[j]);
+    /* round to nearest even by the 1.5 * 2^23 trick (exact for |t| < 2^22; here |t| < 128): plain
+       adds that vectorise on every target, where a per-lane rintf loop would not */
+    const vf n = (t + 12582912.0f) - 12582912.0f;
 #endif
-    const v16f f = (t - n) * 0.6931471805599453f;  /* in [-ln2/2, ln2/2] */
-    v16f p = f * (1.0f / 5040.0f) + 1.0f / 720.0f;
+    const vf f = (t - n) * 0.6931471805599453f;  /* in [-ln2/2, ln2/2] */
+    vf p = f * (1.0f / 5040.0f) + 1.0f / 720.0f;
     p = p * f + 1.0f / 120.0f;
     p = p * f + 1.0f / 24.0f;
     p = p * f + 1.0f / 6.0f;
     p = p * f + 0.5f;
     p = p * f + 1.0f;
     p = p * f + 1.0f;
-    return (v16f)((v16i)p + (__builtin_convertvector(n, v16i) << 23));
+    return (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
 }
+
+static inline float exp1(float x) { return vexp(splat(x))[0]; }
+
+#if VL == 8
+/* The 8 x 8 block r transposed in place (r[i][j] <- r[j][i]): shuffles within 128-bit halves, then
+ * across them (the unpack / shuffle / permute2f128 pattern). */
+static inline void transpose_lanes(vf r[8]) {
+    vf t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = __builtin_shuffle(r[i], r[i + 1], (vu){0, 8, 1, 9, 4, 12, 5, 13});
+        t[i + 1] = __builtin_shuffle(r[i], r[i + 1], (vu){2, 10, 3, 11, 6, 14, 7, 15});
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = __builtin_shuffle(t[i], t[i + 2], (vu){0, 1, 8, 9, 4, 5, 12, 13});
+        u[i + 1] = __builtin_shuffle(t[i], t[i + 2], (vu){2, 3, 10, 11, 6, 7, 14, 15});
+        u[i + 2] = __builtin_shuffle(t[i + 1], t[i + 3], (vu){0, 1, 8, 9, 4, 5, 12, 13});
+        u[i + 3] = __builtin_shuffle(t[i + 1], t[i + 3], (vu){2, 3, 10, 11, 6, 7, 14, 15});
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = __builtin_shuffle(u[i], u[i + 4], (vu){0, 1, 2, 3, 8, 9, 10, 11});
+        r[i + 4] = __builtin_shuffle(u[i], u[i + 4], (vu){4, 5, 6, 7, 12, 13, 14, 15});
+    }
+}
+#elif VL == 4
+/* The 4 x 4 block r transposed in place (the unpack / movelh pattern of _MM_TRANSPOSE4_PS). */
+static inline void transpose_lanes(vf r[4]) {
+    const vf t0 = __builtin_shuffle(r[0], r[1], (vu){0, 4, 1, 5}), t1 = __builtin_shuffle(r[0], r[1], (vu){2, 6, 3, 7});
+    const vf t2 = __builtin_shuffle(r[2], r[3], (vu){0, 4, 1, 5}), t3 = __builtin_shuffle(r[2], r[3], (vu){2, 6, 3, 7});
+    r[0] = __builtin_shuffle(t0, t2, (vu){0, 1, 4, 5});
+    r[1] = __builtin_shuffle(t0, t2, (vu){2, 3, 6, 7});
+    r[2] = __builtin_shuffle(t1, t3, (vu){0, 1, 4, 5});
+    r[3] = __builtin_shuffle(t1, t3, (vu){2, 3, 6, 7});
+}
+#else
+/* The 16 x 16 block r transposed in place, lane by lane (only the fp32 build of an AVX-512 tier
+ * takes this path; its bf16 build transposes the keys with intrinsics). */
+static inline void transpose_lanes(vf r[VL]) {
+    vf t[VL];
+    for (int i = 0; i < VL; ++i) t[i] = splat(0.0f);
+    for (int i = 0; i < VL; ++i)
+        for (int j = 0; j < VL; ++j) t[j][i] = r[i][j];
+    for (int i = 0; i < VL; ++i) r[i] = t[i];
+}
+#endif
 
 #if defined(__AVX512F__)
 /* 16 vectors -> one vector of their 16 sums (lane i = sum of d[i]): one transposing tree of 45

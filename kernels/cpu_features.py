@@ -1,0 +1,140 @@
+"""What this CPU can run, read once: its instruction-set features and the native-kernel tier they allow.
+
+    detect() -> CpuFeatures            the flags of this machine's CPU (cached)
+    CpuFeatures.tiers                  the tiers it runs, fastest first
+    selected_tier() -> CpuTier         the best of them, or the one VBATCH_CPU_TIER names
+
+A tier is one build of the native C kernels (kernels/cpu_native.py compiles one library per tier
+with the tier's compiler flags) plus the choices that go with it: which half-precision format an
+fp32 model's weights are streamed in, and whether bf16 is a compute dtype worth choosing.
+
+    avx512-bf16  AVX-512 with avx512_bf16 (Zen 4, Sapphire Rapids): bf16 models, vdpbf16ps dot
+                 products; built with -march=native.
+    avx2         AVX2 + FMA + F16C (Zen 2/3, Haswell and later): fp32 models whose weights stream
+                 as fp16 (widened by vcvtph2ps), fp32 FMAs.
+    portable     plain C that the compiler vectorises for its baseline target (SSE2 on x86-64,
+                 NEON on aarch64): fp32 models, bf16-streamed weights (widened by a shift).
+
+Every tier runs on a CPU that runs a faster one, so an AVX-512 machine can build and test all
+three and an AVX2 machine two (tests/test_cpu_tiers.py); VBATCH_CPU_TIER=portable forces the
+slowest for the whole process. The engine never compares tier names: it asks a tier's fields.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CpuTier:
+    name: str
+    required_flags: frozenset[str]      # /proc/cpuinfo flags the built code executes
+    compile_flags: tuple[str, ...]      # the target flags for this tier's build
+    half_weight_dtype: torch.dtype      # an fp32 model's streamed weights (dtype auto), widened in registers
+    bf16_compute: bool                  # bf16 dot products in hardware: bf16 is the fast model dtype
+    description: str
+
+    def runs_on(self, features: "CpuFeatures") -> bool:
+        return self.required_flags <= features.flags
+
+
+AVX512_BF16 = CpuTier(
+    name="avx512-bf16",
+    required_flags=frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}),
+    compile_flags=("-march=native",),
+    half_weight_dtype=torch.float16,
+    bf16_compute=True,
+    description="AVX-512 with avx512_bf16: bf16 activations and weights, vdpbf16ps dot products",
+)
+AVX2 = CpuTier(
+    name="avx2",
+    required_flags=frozenset({"avx", "avx2", "fma", "f16c"}),
+    compile_flags=("-mavx2", "-mfma", "-mf16c", "-mtune=native"),
+    half_weight_dtype=torch.float16,
+    bf16_compute=False,
+    description="AVX2 + FMA + F16C: fp32 arithmetic, fp16-stored weights widened in registers",
+)
+PORTABLE = CpuTier(
+    name="portable",
+    required_flags=frozenset(),
+    compile_flags=(),
+    half_weight_dtype=torch.bfloat16,
+    bf16_compute=False,
+    description="plain C vectorised by the compiler for its baseline target: fp32 arithmetic, "
+                "bf16-stored weights",
+)
+TIERS = (AVX512_BF16, AVX2, PORTABLE)  # fastest first
+TIER_ENV = "VBATCH_CPU_TIER"
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    machine: str               # platform.machine(): x86_64, aarch64, ...
+    model_name: str            # the CPU's marketing name, for reports
+    flags: frozenset[str]      # /proc/cpuinfo `flags` (x86) or `Features` (ARM)
+
+    def has(self, *flags: str) -> bool:
+        return all(flag in self.flags for flag in flags)
+
+    @property
+    def tiers(self) -> tuple[CpuTier, ...]:
+        """The tiers this CPU runs, fastest first (portable always)."""
+        return tuple(tier for tier in TIERS if tier.runs_on(self))
+
+    @property
+    def deciding_flags(self) -> str:
+        """The flags that decide the tier, as present/absent, e.g. 'avx2 fma f16c, no avx512_bf16'."""
+        wanted = ("avx512f", "avx512_bf16", "amx_bf16", "avx2", "fma", "f16c")
+        have = [f for f in wanted if f in self.flags]
+        missing = [f for f in ("avx512_bf16", "avx2") if f not in self.flags]
+        return " ".join(have) + (", no " + ", no ".join(missing) if missing else "")
+
+
+def _read_cpuinfo() -> tuple[str, frozenset[str]]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown", frozenset()
+    model, flags = "unknown", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model", "hardware") and model == "unknown":
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = frozenset(value.split())
+    return model, flags
+
+
+@functools.cache
+def detect() -> CpuFeatures:
+    model, flags = _read_cpuinfo()
+    return CpuFeatures(machine=platform.machine(), model_name=model, flags=flags)
+
+
+def tier_named(name: str, features: CpuFeatures | None = None) -> CpuTier:
+    """The tier called `name`, if this CPU runs it (a clear error otherwise)."""
+    features = features or detect()
+    by_name = {tier.name: tier for tier in TIERS}
+    if name not in by_name:
+        raise ConfigError(TIER_ENV, f"unknown CPU tier {name!r}; tiers: {', '.join(by_name)}")
+    tier = by_name[name]
+    if not tier.runs_on(features):
+        missing = " ".join(sorted(tier.required_flags - features.flags))
+        raise ConfigError(TIER_ENV, f"CPU tier {name!r} needs {missing}, which this CPU lacks; it runs: "
+                                    f"{', '.join(t.name for t in features.tiers)}")
+    return tier
+
+
+def selected_tier() -> CpuTier:
+    """The tier the engine builds and uses: VBATCH_CPU_TIER if set (it may only name a tier this
+    CPU runs), else the fastest this CPU runs."""
+    name = os.environ.get(TIER_ENV, "").strip()
+    return tier_named(name) if name else detect().tiers[0]

@@ -1,0 +1,59 @@
+/* The activation type a kernel source is compiled for.
+ *
+ * kernels/cpu_native.py compiles every source twice into one library: with VB_ACT_F32 for fp32
+ * models (activations, KV cache, norms and biases in fp32; every CPU tier) and without it for bf16
+ * models. VB_ACT(name) gives each entry point its suffix (vb_rms_norm_f32, vb_rms_norm_bf16), so
+ * both sets live side by side. The kernels are written once against act_t:
+ *   load_act / store_act / load_act_tail / store_act_tail  move VL (or n < VL) values as fp32;
+ *   act_to_float                                          one value as fp32;
+ *   round_act(v)  rounds to the activation type and back: the references' intermediate roundings
+ *                 (torch rounds every op's result to the tensor's dtype): identity in fp32.
+ * Arithmetic is fp32 in both.
+ */
+#ifndef VB_ACT_H
+#define VB_ACT_H
+
+#include "vb_simd.h"
+
+#if defined(VB_ACT_F32)
+
+typedef float act_t;
+#define VB_ACT(name) name##_f32
+#define VB_ACT_BF16 0
+
+static inline vf load_act(const act_t *src) { return load_f32(src); }
+static inline void store_act(act_t *dst, vf v) { store_f32(dst, v); }
+static inline float act_to_float(act_t x) { return x; }
+static inline vf round_act(vf v) { return v; }
+
+static inline vf load_act_tail(const act_t *src, int n) {
+    vf v = splat(0.0f);
+    for (int j = 0; j < n; ++j) v[j] = src[j];
+    return v;
+}
+
+static inline void store_act_tail(act_t *dst, vf v, int n) {
+    for (int j = 0; j < n; ++j) dst[j] = v[j];
+}
+
+#else
+
+typedef bf16 act_t;
+#define VB_ACT(name) name##_bf16
+#define VB_ACT_BF16 1
+
+static inline vf load_act(const act_t *src) { return load_bf16(src); }
+static inline void store_act(act_t *dst, vf v) { store_bf16(dst, v); }
+static inline vf round_act(vf v) { return widen_bf16(round_bf16(v)); }
+static inline vf load_act_tail(const act_t *src, int n) { return load_bf16_tail(src, n); }
+static inline void store_act_tail(act_t *dst, vf v, int n) { store_bf16_tail(dst, v, n); }
+
+static inline float act_to_float(act_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+#endif
+
+#endif

@@ -1,0 +1,88 @@
+"""CPU feature detection and the native-kernel tier it selects (kernels/cpu_features.py).
+
+Oracles: hand-written /proc/cpuinfo excerpts of the two kinds of machine these tests run on (AMD
+Zen 4 with avx512_bf16, Zen 3 with AVX2 only), an aarch64 one and a CPU without AVX2; the engine's
+dtype choice (engine/device.py) follows the tier.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vbatch.engine.device import cpu_has_fast_bf16, resolve_dtype, resolve_weight_dtype
+from vbatch.engine.errors import ConfigError
+from vbatch.kernels import cpu_features
+from vbatch.kernels.cpu_features import AVX2, AVX512_BF16, PORTABLE, CpuFeatures
+
+ZEN4 = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi2 avx512f avx512dq avx512cd avx512bw "
+        "avx512vl avx512_bf16 avx512vnni")
+ZEN3 = "fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi1 bmi2"
+OLD_X86 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx"           # AVX without AVX2/FMA
+ARM = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm"
+
+
+def _features(flags: str, machine: str = "x86_64") -> CpuFeatures:
+    return CpuFeatures(machine=machine, model_name="test", flags=frozenset(flags.split()))
+
+
+@pytest.mark.parametrize("flags,want", [(ZEN4, ["avx512-bf16", "avx2", "portable"]), (ZEN3, ["avx2", "portable"]),
+                                        (OLD_X86, ["portable"])], ids=["zen4", "zen3", "avx-only"])
+def test_tiers_follow_the_flags(flags, want):
+    assert [t.name for t in _features(flags).tiers] == want
+
+
+def test_arm_runs_the_portable_tier():
+    arm = _features(ARM, machine="aarch64")
+    assert arm.tiers == (PORTABLE,) and PORTABLE.compile_flags == ()   # no x86 target flags
+
+
+def test_cpuinfo_is_parsed_for_x86_and_arm(tmp_path, monkeypatch):
+    x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: " + ZEN3 + "\n\n" \
+          "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: " + ZEN3 + "\n"
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: " + ARM + "\nCPU implementer\t: 0x41\n"
+    for text, model, tier in ((x86, "AMD EPYC 7B13", AVX2), (arm, "unknown", PORTABLE)):
+        path = tmp_path / "cpuinfo"
+        path.write_text(text)
+        monkeypatch.setattr(cpu_features, "Path", lambda _p, path=path: path)
+        got_model, flags = cpu_features._read_cpuinfo()
+        assert got_model == model and CpuFeatures("m", got_model, flags).tiers[0] is tier
+
+
+def test_this_machine_runs_what_its_flags_say():
+    cpu = cpu_features.detect()
+    assert cpu.tiers[-1] is PORTABLE
+    assert (AVX512_BF16 in cpu.tiers) == cpu.has("avx512_bf16", "avx512bw", "avx512vl")
+    assert (AVX2 in cpu.tiers) == cpu.has("avx2", "fma", "f16c")
+    assert "avx512_bf16" in cpu.deciding_flags    # named as present or as missing
+
+
+def test_environment_forces_a_lower_tier_and_refuses_others(monkeypatch):
+    monkeypatch.setenv(cpu_features.TIER_ENV, "portable")
+    assert cpu_features.selected_tier() is PORTABLE
+    monkeypatch.setenv(cpu_features.TIER_ENV, "sse9")
+    with pytest.raises(ConfigError, match="unknown CPU tier 'sse9'; tiers: avx512-bf16, avx2, portable"):
+        cpu_features.selected_tier()
+    with pytest.raises(ConfigError, match="needs avx2 f16c fma"):
+        cpu_features.tier_named("avx2", _features(OLD_X86))
+    monkeypatch.delenv(cpu_features.TIER_ENV)
+    assert cpu_features.selected_tier() is cpu_features.detect().tiers[0]
+
+
+def test_dtype_auto_follows_the_tier(monkeypatch):
+    # bf16 only where the tier computes it (avx512_bf16); a forced lower tier computes in fp32.
+    monkeypatch.setenv(cpu_features.TIER_ENV, "portable")
+    assert not cpu_has_fast_bf16() and resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    monkeypatch.delenv(cpu_features.TIER_ENV)
+    want = torch.bfloat16 if cpu_features.selected_tier().bf16_compute and cpu_has_fast_bf16() else torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) == want
+
+
+def test_weight_dtype_pairs():
+    cpu = torch.device("cpu")
+    assert resolve_weight_dtype("auto", torch.float32, cpu) is None                 # the ops decide
+    assert resolve_weight_dtype("float16", torch.float32, cpu) == torch.float16     # fp32 model, fp16 weights
+    assert resolve_weight_dtype("bfloat16", torch.bfloat16, cpu) == torch.bfloat16
+    with pytest.raises(ConfigError, match="weight_dtype: float16 weights under a bfloat16 model"):
+        resolve_weight_dtype("float16", torch.bfloat16, cpu)
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        resolve_weight_dtype("float16", torch.float32, torch.device("cuda"))
