@@ -29,7 +29,8 @@ def _echo(line: str) -> None:
 
 def _summary_lines(report: dict[str, Any]) -> list[str]:
     gemm = f", {report['cpu_gemm']} GEMMs" if report.get("cpu_gemm") else ""
-    weights = f", {report['weight_dtype']} weights" if report.get("weight_dtype", report["dtype"]) != report["dtype"] else ""
+    weights = "".join(f", {report[key]} {what}" for key, what in (("weight_dtype", "weights"), ("kv_cache_dtype", "KV cache"))
+                      if report.get(key, report["dtype"]) != report["dtype"])
     tier = f", {report['cpu_tier']} kernels" if report.get("cpu_tier") else ""
     lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {report['threads']} threads{gemm}), "
              f"engine built in {report['engine_build_s']:.1f} s (not timed)"]
@@ -102,6 +103,7 @@ def throughput(
                                                       rich_help_panel=BENCH)] = None,
     dtype: o.Dtype = "auto",
     weight_dtype: o.WeightDtype = "auto",
+    kv_cache_dtype: o.KvCacheDtype = "auto",
     max_num_seqs: o.MaxNumSeqs = None,
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
     max_model_len: o.MaxModelLen = None,
@@ -134,7 +136,8 @@ def throughput(
                            max_num_seqs=1 if latency else max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                            enable_prefix_caching=False if latency else None, seed=seed,
-                           generation_config="vllm", device=device, weight_dtype=weight_dtype)
+                           generation_config="vllm", device=device, weight_dtype=weight_dtype,
+                           kv_cache_dtype=kv_cache_dtype)
     kwargs["quiet"] = True
     if threads is not None:
         kwargs["num_threads"] = threads  # the engine sets torch's thread count itself when it starts
@@ -157,6 +160,7 @@ def throughput(
     }
     ops = llm.engine.runner.ops
     report["weight_dtype"] = str(ops.weight_dtype or llm.engine.dtype).removeprefix("torch.")
+    report["kv_cache_dtype"] = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
     if ops.cpu_tier is not None:  # the CPU path: its tier of native kernels and the flags that chose it
         from vbatch.kernels.cpu_features import detect
         report["cpu_tier"] = ops.cpu_tier.name if ops.native is not None else f"{ops.cpu_tier.name} (not built)"

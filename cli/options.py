@@ -24,6 +24,8 @@ Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16.",
 WeightDtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16: how linear weights are stored "
                                           "(auto: fp16 under an fp32 model on CPUs without fast bf16, widened in "
                                           "registers; float32 keeps them exact).", rich_help_panel=ENGINE)]
+KvCacheDtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16: how the KV cache is stored "
+                                           "(auto: like the weights).", rich_help_panel=ENGINE)]
 MaxModelLen = Annotated[Optional[int], typer.Option(help="Prompt + output tokens per sequence "
                                                    "(default: the model's).", rich_help_panel=ENGINE)]
 MaxNumSeqs = Annotated[Optional[int], typer.Option(help="Most sequences running at once (default: 256).",

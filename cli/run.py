@@ -39,11 +39,12 @@ def resolve_chat_template(value: str | None) -> str | None:
 def engine_kwargs(*, dtype: str, max_model_len: int | None, max_num_seqs: int | None,
                   max_num_batched_tokens: int | None, kv_cache_memory: str | None,
                   enable_prefix_caching: bool | None, seed: int | None, generation_config: str | None,
-                  device: str | None, weight_dtype: str = "auto") -> dict[str, Any]:
+                  device: str | None, weight_dtype: str = "auto", kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """vbatch.LLM keyword arguments for the flags the user set (unset flags keep the engine's defaults)."""
     from vbatch.engine.config import parse_bytes
 
     kwargs: dict[str, Any] = {"dtype": dtype, "weight_dtype": None if weight_dtype == "auto" else weight_dtype,
+                              "kv_cache_dtype": None if kv_cache_dtype == "auto" else kv_cache_dtype,
                               "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
                               "max_num_batched_tokens": max_num_batched_tokens,
                               "enable_prefix_caching": enable_prefix_caching, "seed": seed,
@@ -66,13 +67,15 @@ def load_llm(model: str, kwargs: dict[str, Any]) -> Any:
 
 def output_options(*, model: str, dtype: str, max_model_len: int | None, seed: int | None,
                    generation_config: str | None, chat_template: str | None,
-                   defaults: dict[str, Any], weight_dtype: str = "auto") -> dict[str, Any]:
+                   defaults: dict[str, Any], weight_dtype: str = "auto",
+                   kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """The options that change what an output record holds: a resumed run must use the same ones.
-    (weight_dtype only when set, so manifests written before the option existed still match.)"""
+    (The storage dtypes only when set, so manifests written before the options existed still match.)"""
     digest = hashlib.sha256(chat_template.encode()).hexdigest() if chat_template is not None else None
     options = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "seed": seed,
                "generation_config": generation_config, "chat_template_sha256": digest, "sampling_defaults": defaults}
-    return options | ({"weight_dtype": weight_dtype} if weight_dtype != "auto" else {})
+    storage = {"weight_dtype": weight_dtype, "kv_cache_dtype": kv_cache_dtype}
+    return options | {k: v for k, v in storage.items() if v != "auto"}
 
 
 def first_pass(reader: Any, shard: Any, *, on_error: str) -> int:
@@ -103,6 +106,7 @@ def run(
     model: o.Model = "smollm2-135m-instruct",
     dtype: o.Dtype = "auto",
     weight_dtype: o.WeightDtype = "auto",
+    kv_cache_dtype: o.KvCacheDtype = "auto",
     max_model_len: o.MaxModelLen = None,
     max_num_seqs: o.MaxNumSeqs = None,
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
@@ -150,7 +154,8 @@ def run(
     kwargs = engine_kwargs(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                            enable_prefix_caching=enable_prefix_caching, seed=seed,
-                           generation_config=generation_config, device=device, weight_dtype=weight_dtype)
+                           generation_config=generation_config, device=device, weight_dtype=weight_dtype,
+                           kv_cache_dtype=kv_cache_dtype)
     template = resolve_chat_template(chat_template)
     if max_in_flight is not None and max_in_flight < 1:
         raise ConfigError("--max-in-flight", f"must be >= 1, got {max_in_flight}")
@@ -172,7 +177,8 @@ def run(
     if output != "-":
         manifest = Manifest.build(file, output_options(
             model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, generation_config=generation_config,
-            chat_template=template, defaults=defaults, weight_dtype=weight_dtype), fmt, the_shard.spec())
+            chat_template=template, defaults=defaults, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype),
+            fmt, the_shard.spec())
         plan = plan_output(target, manifest, resume=resume, overwrite=overwrite)
         if plan.action == "complete":
             typer.echo(f"{target}: already complete ({plan.num_done} records); nothing to do", err=True)

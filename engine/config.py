@@ -85,6 +85,12 @@ class CacheConfig:
     profiling run leaves of `gpu_memory_utilization` of the device memory."""
     gpu_memory_utilization: float = 0.9
     """CUDA only: the share of device memory the engine may use (weights + activations + KV)."""
+    kv_cache_dtype: str = "auto"
+    """auto | float32 | float16 | bfloat16: how keys and values are stored (vLLM's kv_cache_dtype).
+    auto: the model's dtype, except that an fp32 model whose dtype is auto (a CPU without fast
+    bf16) stores them in the CPU tier's half format, like its weights (half the cache's memory and
+    of the bytes decode attention reads; scores and sums stay fp32). float16 / bfloat16 ask for that
+    under dtype float32 on any CPU."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of identical prompt prefixes (chained block hashes, LRU eviction)."""
     num_gpu_blocks_override: int | None = None
@@ -93,6 +99,8 @@ class CacheConfig:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError("block_size", f"must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_dtype not in _DTYPES:
+            raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -46,11 +46,19 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) ->
     for an fp32 model whose dtype was auto the CPU tier's half-precision format); else the named
     dtype, which must be the model's, or fp16 / bf16 under an fp32 model on CPU (widened in
     registers by the native kernels)."""
+    return _storage_dtype("weight_dtype", name, dtype, device)
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """How the KV cache is stored: the same rule as resolve_weight_dtype."""
+    return _storage_dtype("kv_cache_dtype", name, dtype, device)
+
+
+def _storage_dtype(field: str, name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     if name == "auto":
         return None
-    weights = _NAMED[name]
-    if weights == dtype or (device.type == "cpu" and dtype == torch.float32 and weights != torch.float32):
-        return weights
-    raise ConfigError("weight_dtype", f"{name} weights under a {str(dtype).removeprefix('torch.')} model are not "
-                      "supported", hint="use weight_dtype auto, the model's dtype, or float16/bfloat16 with "
-                                        "dtype float32 on CPU")
+    stored = _NAMED[name]
+    if stored == dtype or (device.type == "cpu" and dtype == torch.float32 and stored != torch.float32):
+        return stored
+    raise ConfigError(field, f"{name} storage under a {str(dtype).removeprefix('torch.')} model is not supported",
+                      hint=f"use {field} auto, the model's dtype, or float16/bfloat16 with dtype float32 on CPU")

@@ -29,6 +29,7 @@ class LLM:
                  weight_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, kv_cache_memory: int | str | None = None,
+                 kv_cache_dtype: str = "auto",
                  block_size: int = 16, seed: int = 0, generation_config: str = "auto", device: str = "auto",
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
                  num_threads: int | None = None, quiet: bool = False) -> None:
@@ -36,7 +37,7 @@ class LLM:
                                 max_model_len=max_model_len,
                                 seed=seed, generation_config=generation_config, device=device,
                                 num_threads=num_threads)
-        cache_cfg = CacheConfig(block_size=block_size,
+        cache_cfg = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                                 kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
                                 gpu_memory_utilization=gpu_memory_utilization,
                                 enable_prefix_caching=enable_prefix_caching,

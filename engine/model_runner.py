@@ -20,7 +20,7 @@ from ..kernels.ops import Ops, get_ops
 from .compile_times import CompileTimes
 from .config import EngineConfig
 from .cuda_graphs import capture_decode_graphs
-from .device import resolve_weight_dtype
+from .device import resolve_kv_cache_dtype, resolve_weight_dtype
 from .inputs import ModelInputs, prepare_inputs
 from .models.registry import get_model_class
 from .models.weights import iter_weights
@@ -62,7 +62,8 @@ class ModelRunner:
         model_cfg = config.model
         # Checked before anything loads: a bad dtype pair is a ConfigError at start.
         self.weight_dtype = resolve_weight_dtype(model_cfg.weight_dtype, dtype, device)
-        self.prefer_half_weights = model_cfg.dtype == "auto" and model_cfg.weight_dtype == "auto"
+        self.requested_kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device)
+        self.kv_dtype = self.requested_kv_dtype or dtype  # final once the ops are chosen (load_model)
         self.ops: Ops | None = None   # chosen once in load_model (kernels/ops.py get_ops)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.model.seed)
@@ -80,7 +81,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         cls = get_model_class(self.hf_config)
         self.ops = get_ops(self.device, self.dtype, weight_dtype=self.weight_dtype,
-                           prefer_half_weights=self.prefer_half_weights)
+                           kv_cache_dtype=self.requested_kv_dtype, prefer_half=self.config.model.dtype == "auto")
+        self.kv_dtype = self.ops.kv_cache_dtype or self.dtype
         with torch.device(self.device):
             model = cls(self.hf_config, dtype=self.dtype, device=self.device,
                         max_model_len=self.config.scheduler.max_model_len, ops=self.ops)
@@ -90,13 +92,14 @@ class ModelRunner:
         self.model = model.eval()
         # The native CPU sampler (kernels/csrc/cpu_sample.c) reads the model's own logits.
         self.sampler = Sampler(native=self.ops.native)
-        logger.info("ops %s, linear weights stored as %s", self.ops.name,
-                    str(self.ops.weight_dtype or self.dtype).removeprefix("torch."))
+        logger.info("ops %s, linear weights stored as %s, KV cache as %s", self.ops.name,
+                    str(self.ops.weight_dtype or self.dtype).removeprefix("torch."),
+                    str(self.kv_dtype).removeprefix("torch."))
         self.load_seconds = time.perf_counter() - t0
 
     def bytes_per_block(self) -> int:
         m = self.model
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     def max_useful_blocks(self) -> int:
@@ -130,7 +133,7 @@ class ModelRunner:
         from vbatch.kernels.attention_metadata import AttentionMetadata
         m = self.model
         nb = math.ceil(num_tokens / self.block_size) + 1
-        caches = [tuple(torch.zeros(m.kv_cache_shape(nb, self.block_size), dtype=self.dtype, device=self.device)
+        caches = [tuple(torch.zeros(m.kv_cache_shape(nb, self.block_size), dtype=self.kv_dtype, device=self.device)
                         for _ in range(2)) for _ in range(m.num_layers)]
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
@@ -161,8 +164,8 @@ class ModelRunner:
         # NOTE: empty, not zeros: zeroing touches every page (the 4 GiB CPU default became 4 GiB of
         # RSS for any job). Every kernel reads only positions this step or earlier steps wrote, and
         # the kernel tests fill unowned blocks with NaN to prove no garbage leaks into a result.
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.empty(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
         self.cuda_graphs = capture_decode_graphs(self)  # None off CUDA
@@ -184,7 +187,7 @@ class ModelRunner:
         max_len = self.config.scheduler.max_model_len    # positions past it have no rotary entry
         for batch, seq_len in ((2, min(20, max_len)), (3, min(40, max_len)), (1, min(20, max_len))):
             blocks_per_req = -(-seq_len // bs)
-            caches = [tuple(torch.zeros(m.kv_cache_shape(batch * blocks_per_req + 1, bs), dtype=self.dtype)
+            caches = [tuple(torch.zeros(m.kv_cache_shape(batch * blocks_per_req + 1, bs), dtype=self.kv_dtype)
                             for _ in range(2)) for _ in range(m.num_layers)]
             tables = torch.arange(1, batch * blocks_per_req + 1, dtype=torch.int32).view(batch, blocks_per_req)
             positions = torch.full((batch,), seq_len - 1, dtype=torch.int64)

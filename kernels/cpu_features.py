@@ -6,14 +6,15 @@
 
 A tier is one build of the native C kernels (kernels/cpu_native.py compiles one library per tier
 with the tier's compiler flags) plus the choices that go with it: which half-precision format an
-fp32 model's weights are streamed in, and whether bf16 is a compute dtype worth choosing.
+fp32 model's weights and KV cache are stored in (dtype auto), and whether bf16 is a compute dtype
+worth choosing.
 
     avx512-bf16  AVX-512 with avx512_bf16 (Zen 4, Sapphire Rapids): bf16 models, vdpbf16ps dot
                  products; built with -march=native.
-    avx2         AVX2 + FMA + F16C (Zen 2/3, Haswell and later): fp32 models whose weights stream
-                 as fp16 (widened by vcvtph2ps), fp32 FMAs.
+    avx2         AVX2 + FMA + F16C (Zen 2/3, Haswell and later): fp32 models whose weights and KV
+                 cache are stored as fp16 (widened by vcvtph2ps), fp32 FMAs.
     portable     plain C that the compiler vectorises for its baseline target (SSE2 on x86-64,
-                 NEON on aarch64): fp32 models, bf16-streamed weights (widened by a shift).
+                 NEON on aarch64): fp32 models, bf16-stored weights and KV cache (widened by a shift).
 
 Every tier runs on a CPU that runs a faster one, so an AVX-512 machine can build and test all
 three and an AVX2 machine two (tests/test_cpu_tiers.py); VBATCH_CPU_TIER=portable forces the
@@ -37,7 +38,7 @@ class CpuTier:
     name: str
     required_flags: frozenset[str]      # /proc/cpuinfo flags the built code executes
     compile_flags: tuple[str, ...]      # the target flags for this tier's build
-    half_weight_dtype: torch.dtype      # an fp32 model's streamed weights (dtype auto), widened in registers
+    half_dtype: torch.dtype             # how an fp32 model (dtype auto) stores weights and KV cache, widened in registers
     bf16_compute: bool                  # bf16 dot products in hardware: bf16 is the fast model dtype
     description: str
 
@@ -49,7 +50,7 @@ AVX512_BF16 = CpuTier(
     name="avx512-bf16",
     required_flags=frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}),
     compile_flags=("-march=native",),
-    half_weight_dtype=torch.float16,
+    half_dtype=torch.float16,
     bf16_compute=True,
     description="AVX-512 with avx512_bf16: bf16 activations and weights, vdpbf16ps dot products",
 )
@@ -57,7 +58,7 @@ AVX2 = CpuTier(
     name="avx2",
     required_flags=frozenset({"avx", "avx2", "fma", "f16c"}),
     compile_flags=("-mavx2", "-mfma", "-mf16c", "-mtune=native"),
-    half_weight_dtype=torch.float16,
+    half_dtype=torch.float16,
     bf16_compute=False,
     description="AVX2 + FMA + F16C: fp32 arithmetic, fp16-stored weights widened in registers",
 )
@@ -65,7 +66,7 @@ PORTABLE = CpuTier(
     name="portable",
     required_flags=frozenset(),
     compile_flags=(),
-    half_weight_dtype=torch.bfloat16,
+    half_dtype=torch.bfloat16,
     bf16_compute=False,
     description="plain C vectorised by the compiler for its baseline target: fp32 arithmetic, "
                 "bf16-stored weights",

@@ -22,7 +22,7 @@ vs 104 at 256). VBATCH_GEMM=onednn|zentorch|mkl overrides the choice (VBATCH_ZEN
 zentorch out); `vbatch bench` prints the library in use.
 
 NOTE: half-precision weights. With `weight_dtype` below the model's dtype (an fp32 model on a CPU
-without fast bf16: dtype auto streams its weights as fp16, cpu_features.CpuTier.half_weight_dtype)
+without fast bf16: dtype auto streams its weights as fp16, cpu_features.CpuTier.half_dtype)
 the weight is rounded to it once here, and both paths compute with the rounded values: the packed
 GEMM holds them widened back to fp32, the small-rows kernel streams them in half precision. So the
 layer is one well-defined function (fp16 weights, fp32 arithmetic) whatever the batch size, and

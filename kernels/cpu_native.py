@@ -8,8 +8,9 @@ The ops built on them, with the references' signatures, are in kernels/cpu_nativ
 NOTE: why C and ctypes rather than a torch extension: the kernels need no torch headers (they take
 raw pointers), so a few `cc` calls build them in seconds instead of a minute, and the library links
 the same OpenMP runtime torch already loaded (libgomp, by soname), so its threads are torch's
-threads. Every source is compiled twice (vb_act.h: fp32 and bf16 activations, entry points
-suffixed _f32 and _bf16) with the tier's target flags (kernels/cpu_features.py) and linked into
+threads. Every source is compiled once per variant (vb_act.h: fp32 activations over an fp32, fp16 or bf16
+KV cache, and bf16 activations; entry points suffixed _f32, _f32_kvf16, _f32_kvbf16, _bf16) with
+the tier's target flags (kernels/cpu_features.py) and linked into
 one library in $VBATCH_CACHE/kernels/<hash of sources, flags, compiler, CPU flags>/, written to a
 temporary name and renamed, so concurrent processes never load a half-written file.
 NOTE: the library is built on the machine that runs it (the cache key includes the host's CPU
@@ -43,9 +44,13 @@ SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "
 HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",
          "-Wall", "-Wno-psabi")
-# (activation dtype, its entry points' suffix, the -D that selects it in vb_act.h)
-ACTIVATIONS = ((torch.float32, "f32", ("-DVB_ACT_F32",)), (torch.bfloat16, "bf16", ()))
-_SUFFIX = {dtype: suffix for dtype, suffix, _ in ACTIVATIONS}
+# (activation dtype, KV-cache dtype): the variants every source is compiled for (vb_act.h), with
+# their entry points' suffix and the -D flags that select them
+VARIANTS = {(torch.float32, torch.float32): ("f32", ("-DVB_ACT_F32",)),
+            (torch.float32, torch.float16): ("f32_kvf16", ("-DVB_ACT_F32", "-DVB_KV_F16")),
+            (torch.float32, torch.bfloat16): ("f32_kvbf16", ("-DVB_ACT_F32", "-DVB_KV_BF16")),
+            (torch.bfloat16, torch.bfloat16): ("bf16", ())}
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # cpu_linear_small.c's weight formats (vb_kernels.h VB_WEIGHT_*)
 WEIGHT_FORMAT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, more than 16 query heads per kv head, "
@@ -113,7 +118,7 @@ def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         jobs = [([cc, *flags, *defines, f"-I{CSRC}", "-c", str(source), "-o", f"{tmp}/{source.stem}_{suffix}.o"],
                  f"{source.name} ({suffix})")
-                for source in SOURCES for _, suffix, defines in ACTIVATIONS]
+                for source in SOURCES for suffix, defines in VARIANTS.values()]
 
         def compile_one(job: tuple[list[str], str]) -> subprocess.CompletedProcess:
             return subprocess.run(job[0], capture_output=True, text=True)
@@ -131,10 +136,15 @@ def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
     return target, True
 
 
-def _suffix(dtype: torch.dtype) -> str:
-    if dtype not in _SUFFIX:
-        raise NativeKernelError(f"native kernels take fp32 or bf16 activations, not {dtype}")
-    return _SUFFIX[dtype]
+def _suffix(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str:
+    key = (dtype, kv_dtype or dtype)
+    if key not in VARIANTS:
+        raise NativeKernelError(f"no native kernels for {dtype} activations over a {kv_dtype} KV cache")
+    return VARIANTS[key][0]
+
+
+def has_variant(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bool:
+    return (dtype, kv_dtype or dtype) in VARIANTS
 
 
 @dataclass(frozen=True)
@@ -146,14 +156,14 @@ class NativeKernels:
     compiled_now: bool     # False: an earlier build of the same sources, flags and compiler was reused
     _small_linear: dict = field(default_factory=dict, repr=False, compare=False)  # probe results per dtype pair
 
-    def _fn(self, name: str, dtype: torch.dtype):
-        return getattr(self.library, f"{name}_{_suffix(dtype)}")
+    def _fn(self, name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
+        return getattr(self.library, f"{name}_{_suffix(dtype, kv_dtype)}")
 
     def paged_attention(
         self,
         query: torch.Tensor,        # [num_tokens, num_q_heads, head_dim] fp32 / bf16
-        key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim], query's dtype
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim]: query's dtype, or fp16 /
+        value_cache: torch.Tensor,  # bf16 under fp32 queries (cpu_native.VARIANTS)
         attn: AttentionMetadata,
         scale: float,
         num_threads: int,
@@ -165,9 +175,9 @@ class NativeKernels:
         start, lens = attn.query_start_loc.contiguous(), attn.seq_lens.contiguous()
         assert tables.dtype == start.dtype == lens.dtype == torch.int32
         assert key_cache.is_contiguous() and value_cache.is_contiguous()
-        assert key_cache.dtype == value_cache.dtype == query.dtype
+        assert key_cache.dtype == value_cache.dtype
         _, block_size, num_kv_heads, head_dim = key_cache.shape
-        rc = self._fn("vb_paged_attention", query.dtype)(
+        rc = self._fn("vb_paged_attention", query.dtype, key_cache.dtype)(
             query.data_ptr(), query.stride(0), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             tables.data_ptr(), tables.stride(0), start.data_ptr(), lens.data_ptr(), attn.num_reqs,
             query.shape[1], num_kv_heads, head_dim, block_size, scale, num_threads)
@@ -197,14 +207,14 @@ class NativeKernels:
         if key not in self._small_linear:
             probe = torch.zeros(1, 32, dtype=dtype)
             weights = torch.zeros(16, 32, dtype=weight_dtype)
-            self._small_linear[key] = (dtype in _SUFFIX and weight_dtype in WEIGHT_FORMAT
+            self._small_linear[key] = (has_variant(dtype) and weight_dtype in WEIGHT_FORMAT
                                        and self.linear_small(probe, weights, None, 1) is not None)
         return self._small_linear[key]
 
     def decoder_layer(self, layer: VbLayer, step: VbStep, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       hidden: torch.Tensor, residual: torch.Tensor, first_layer: bool, num_threads: int) -> None:
         """In place: hidden [rows, hidden] becomes the layer's output, residual the updated stream."""
-        rc = self._fn("vb_decoder_layer", hidden.dtype)(
+        rc = self._fn("vb_decoder_layer", hidden.dtype, key_cache.dtype)(
             ctypes.byref(layer), ctypes.byref(step), key_cache.data_ptr(), value_cache.data_ptr(), hidden.data_ptr(),
             residual.data_ptr(), int(first_layer), num_threads)
         if rc != 0:
@@ -252,8 +262,9 @@ class NativeKernels:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """key, value [T, Hk, D] (rows may be apart); caches contiguous, key's dtype; slots [T] int64 contiguous."""
-        self._fn("vb_write_kv", key.dtype)(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+        """key, value [T, Hk, D] (rows may be apart); caches contiguous, in key's dtype or a half precision
+        (rounded to nearest even, as .to() does); slots [T] int64 contiguous."""
+        self._fn("vb_write_kv", key.dtype, key_cache.dtype)(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                            key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
                                            key.shape[0], key.shape[1] * key.shape[2])
 
@@ -272,7 +283,7 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_sample": ([p, i64, i32, i32, p, p, p, i32], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
-        for _, suffix, _ in ACTIVATIONS:
+        for suffix, _ in VARIANTS.values():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, restype
     return NativeKernels(lib, path, tier, build_seconds, compiled_now)

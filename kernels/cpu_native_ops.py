@@ -22,7 +22,7 @@ import torch
 
 from . import activation_ref, attention_ref, cache_ref, cpu_attention, cpu_rotary, norm_ref
 from .attention_metadata import AttentionMetadata
-from .cpu_native import WEIGHT_FORMAT, NativeKernelError, NativeKernels, VbLayer, VbStep
+from .cpu_native import WEIGHT_FORMAT, NativeKernelError, NativeKernels, VbLayer, VbStep, has_variant
 
 logger = logging.getLogger("vbatch.kernels")
 _warned: set[str] = set()
@@ -75,20 +75,20 @@ class NativeOps:
     def paged_attention(
         self,
         query: torch.Tensor,        # [num_tokens, num_q_heads, head_dim] fp32 / bf16
-        key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim], query's dtype
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim]: query's dtype, or half
+        value_cache: torch.Tensor,  # precision under fp32 queries
         attn: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:              # [num_tokens, num_q_heads, head_dim]
         """Decode and prefill rows of the whole step in one call (kernels/csrc/cpu_paged_attention.c)."""
-        if query.dtype in NATIVE_DTYPES and key_cache.dtype == value_cache.dtype == query.dtype:
+        if has_variant(query.dtype, key_cache.dtype) and key_cache.dtype == value_cache.dtype:
             try:
                 return self.kernels.paged_attention(query, key_cache, value_cache, attn, scale, torch.get_num_threads())
             except NativeKernelError as e:
                 if str(e) not in _warned:
                     _warned.add(str(e))
                     logger.warning("%s; using the torch path", e)
-        if query.dtype == torch.bfloat16:
+        if query.dtype == key_cache.dtype == torch.bfloat16:
             return cpu_attention.paged_attention(query, key_cache, value_cache,
                                                  cpu_attention.prepare_attention(attn), scale)
         return attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
@@ -127,8 +127,9 @@ class NativeOps:
 
     def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if not (_heads_dense(key) and _heads_dense(value) and _rows(key_cache, value_cache)
-                and key.dtype == value.dtype == key_cache.dtype
+        if not (_heads_dense(key) and _heads_dense(value) and key_cache.is_contiguous() and value_cache.is_contiguous()
+                and key.dtype == value.dtype and key_cache.dtype == value_cache.dtype
+                and has_variant(key.dtype, key_cache.dtype)
                 and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
             return cache_ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
         self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
@@ -170,7 +171,7 @@ class NativeOps:
         struct = self._layer_struct(layer) if 0 < rows <= FUSED_LAYER_MAX_ROWS else None
         key_cache, value_cache = kv_cache
         if (struct is None or not isinstance(rope, tuple) or hidden.dtype != layer.input_layernorm.dtype
-                or rope[0].dtype != hidden.dtype or key_cache.dtype != hidden.dtype
+                or rope[0].dtype != hidden.dtype or not has_variant(hidden.dtype, key_cache.dtype)
                 or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
             return layer(positions, hidden, residual, kv_cache, attn, rope)
         step = getattr(self._steps, "current", None)

@@ -66,6 +66,7 @@ class Ops:
     native: Any = None                  # the NativeKernels they call (CPU); the sampler reads the model's logits with it
     cpu_tier: Any = None                # the cpu_features.CpuTier they were chosen for (CPU)
     weight_dtype: torch.dtype | None = None  # how the linear weights are stored (None: the model's dtype)
+    kv_cache_dtype: torch.dtype | None = None  # how the KV cache is stored (None: the model's dtype)
     compiles_on_first_use: bool = False  # inductor-compiled paths: the runner warms them up before the first step
     graph_capturable: bool = False      # CUDA graphs may capture them (Triton: no host-side lengths read)
 
@@ -81,21 +82,23 @@ REFERENCE_OPS = Ops(
 )
 
 
-def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, prefer_half_weights: bool, tier) -> Ops:
+def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtype: torch.dtype | None,
+             prefer_half: bool, tier) -> Ops:
     """The CPU ops for a `dtype` model on `tier` (kernels/cpu_features.py; None: the selected one).
 
-    weight_dtype: how linear weights are stored (None: `dtype`, or the tier's half-precision
-    format when `prefer_half_weights` and the model is fp32 with native kernels to stream it)."""
+    weight_dtype / kv_cache_dtype: how linear weights and the KV cache are stored (None: `dtype`, or
+    the tier's half-precision format when `prefer_half` and the model is fp32 with native kernels
+    to stream it: dtype auto on a CPU without fast bf16)."""
     from . import cpu_attention, cpu_features, cpu_linear, cpu_native, cpu_rotary
     from .cpu_native_ops import NativeOps
     tier = tier or cpu_features.selected_tier()
     native = cpu_native.load(tier)
     fast_bf16 = tier.bf16_compute and cpu_linear.can_pack(torch.bfloat16)
-    if dtype == torch.float32 and weight_dtype is None and prefer_half_weights and native is not None:
-        weight_dtype = tier.half_weight_dtype
-    weight_dtype = weight_dtype or dtype
+    half = dtype == torch.float32 and prefer_half and native is not None
+    weight_dtype = weight_dtype or (tier.half_dtype if half else dtype)
+    kv_cache_dtype = kv_cache_dtype or (tier.half_dtype if half else dtype)
     ops = dataclasses.replace(REFERENCE_OPS, name=f"cpu-{_short(dtype)}-{tier.name}", cpu_tier=tier,
-                              weight_dtype=weight_dtype)
+                              weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)
     if dtype == torch.bfloat16 and fast_bf16:
         ops = dataclasses.replace(ops, apply_rotary=cpu_rotary.apply_rotary, prepare_rotary=cpu_rotary.prepare_rotary)
         if native is None:  # no C compiler: inductor's decode attention (compiled at the first steps)
@@ -117,16 +120,18 @@ def _short(dtype: torch.dtype) -> str:
 
 
 def get_ops(device: torch.device | str, dtype: torch.dtype | None = None, *,
-            weight_dtype: torch.dtype | None = None, prefer_half_weights: bool = False, cpu_tier=None) -> Ops:
+            weight_dtype: torch.dtype | None = None, kv_cache_dtype: torch.dtype | None = None,
+            prefer_half: bool = False, cpu_tier=None) -> Ops:
     """The ops for `device` and the model's `dtype` (None: the references). CPU only: `weight_dtype`
-    stores the linear weights in another precision (engine/device.py validates the pair),
-    `prefer_half_weights` lets an fp32 model stream them in the tier's half-precision format, and
-    `cpu_tier` (a cpu_features.CpuTier this CPU runs; default the selected one) picks the kernels'
-    build (the tests and benchmarks compare tiers on one machine)."""
+    and `kv_cache_dtype` store the linear weights and the KV cache in another precision
+    (engine/device.py validates the pairs), `prefer_half` lets an fp32 model store both in the
+    tier's half-precision format where neither is given, and `cpu_tier` (a cpu_features.CpuTier
+    this CPU runs; default the selected one) picks the kernels' build (the tests and benchmarks
+    compare tiers on one machine)."""
     device = torch.device(device)  # validates the spelling early: a bad device fails at engine start
     if device.type == "cuda":
         from .triton_ops import cuda_ops  # the only place triton gets imported
         return cuda_ops(REFERENCE_OPS)
     if device.type == "cpu" and dtype is not None:
-        return _cpu_ops(dtype, weight_dtype, prefer_half_weights, cpu_tier)
+        return _cpu_ops(dtype, weight_dtype, kv_cache_dtype, prefer_half, cpu_tier)
     return REFERENCE_OPS

@@ -33,14 +33,16 @@ def write(path, records):
     return str(path)
 
 
-def test_run_passes_the_weight_storage_and_records_it_in_the_manifest(tmp_path, loads):
+def test_run_passes_the_storage_dtypes_and_records_them_in_the_manifest(tmp_path, loads):
     f = write(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
     out = tmp_path / "out.jsonl"
-    result = runner.invoke(app, ["run", f, "-o", str(out), "--dtype", "float32", "--weight-dtype", "float16"])
+    result = runner.invoke(app, ["run", f, "-o", str(out), "--dtype", "float32", "--weight-dtype", "float16",
+                                 "--kv-cache-dtype", "bfloat16"])
     assert result.exit_code == 0, result.output
-    assert loads[0][1] == {"dtype": "float32", "weight_dtype": "float16"}
+    assert loads[0][1] == {"dtype": "float32", "weight_dtype": "float16", "kv_cache_dtype": "bfloat16"}
     manifest = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())
-    assert manifest["options"]["weight_dtype"] == "float16"          # a resume must use the same weights
+    # a resume must use the same storage
+    assert manifest["options"]["weight_dtype"] == "float16" and manifest["options"]["kv_cache_dtype"] == "bfloat16"
 
 
 def test_run_writes_ordered_records_and_metrics(tmp_path, loads):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vbatch.engine.device import cpu_has_fast_bf16, resolve_dtype, resolve_weight_dtype
+from vbatch.engine.device import cpu_has_fast_bf16, resolve_dtype, resolve_kv_cache_dtype, resolve_weight_dtype
 from vbatch.engine.errors import ConfigError
 from vbatch.kernels import cpu_features
 from vbatch.kernels.cpu_features import AVX2, AVX512_BF16, PORTABLE, CpuFeatures
@@ -77,12 +77,13 @@ def test_dtype_auto_follows_the_tier(monkeypatch):
     assert resolve_dtype("auto", torch.device("cpu")) == want
 
 
-def test_weight_dtype_pairs():
+def test_storage_dtype_pairs():
     cpu = torch.device("cpu")
-    assert resolve_weight_dtype("auto", torch.float32, cpu) is None                 # the ops decide
-    assert resolve_weight_dtype("float16", torch.float32, cpu) == torch.float16     # fp32 model, fp16 weights
-    assert resolve_weight_dtype("bfloat16", torch.bfloat16, cpu) == torch.bfloat16
-    with pytest.raises(ConfigError, match="weight_dtype: float16 weights under a bfloat16 model"):
-        resolve_weight_dtype("float16", torch.bfloat16, cpu)
-    with pytest.raises(ConfigError, match="weight_dtype"):
-        resolve_weight_dtype("float16", torch.float32, torch.device("cuda"))
+    for resolve, field in ((resolve_weight_dtype, "weight_dtype"), (resolve_kv_cache_dtype, "kv_cache_dtype")):
+        assert resolve("auto", torch.float32, cpu) is None                   # the ops decide
+        assert resolve("float16", torch.float32, cpu) == torch.float16       # fp32 model, fp16 storage
+        assert resolve("bfloat16", torch.bfloat16, cpu) == torch.bfloat16
+        with pytest.raises(ConfigError, match=f"{field}: float16 storage under a bfloat16 model"):
+            resolve("float16", torch.bfloat16, cpu)
+        with pytest.raises(ConfigError, match=field):
+            resolve("float16", torch.float32, torch.device("cuda"))

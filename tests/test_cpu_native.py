@@ -27,6 +27,10 @@ from vbatch.kernels.cpu_native_ops import NativeOps
 TIERS = cpu_features.detect().tiers
 DTYPES = [torch.float32, torch.bfloat16]
 ATTN_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# (activations, KV cache): cpu_native.VARIANTS; the half caches under fp32 are the dtype-auto storage
+VARIANTS = [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+            (torch.bfloat16, torch.bfloat16)]
+VARIANT_IDS = ["fp32", "fp32-kvfp16", "fp32-kvbf16", "bf16"]
 
 CASES = {**CASES,
          "long_prefill_on_prefix": ([37], [40], 16),      # several 16-row items over many blocks
@@ -53,14 +57,22 @@ def dtype(request) -> torch.dtype:
     return request.param
 
 
-def _step(case_or_lens, dtype, **kwargs):
+@pytest.fixture(params=VARIANTS, ids=VARIANT_IDS)
+def variant(request) -> tuple[torch.dtype, torch.dtype]:
+    return request.param
+
+
+def _step(case_or_lens, variant, **kwargs):
+    """A random step (test_cpu_kernels._random_step) with the query in variant[0], the caches in variant[1]."""
+    dtype, kv_dtype = variant if isinstance(variant, tuple) else (variant, variant)
     context_lens, query_lens, block_size = CASES[case_or_lens] if isinstance(case_or_lens, str) else case_or_lens
     query, key_cache, value_cache, attn, scale = _random_step(context_lens, query_lens, block_size, **kwargs)
-    return query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), attn, scale
+    return query.to(dtype), key_cache.to(kv_dtype), value_cache.to(kv_dtype), attn, scale
 
 
-def _attention_error(native, case, dtype, head_dim=64, group=3, threads=2, kv_heads=2):
-    query, key_cache, value_cache, attn, _ = _step(case, dtype, num_kv_heads=kv_heads, group=group, head_dim=head_dim)
+def _attention_error(native, case, variant, head_dim=64, group=3, threads=2, kv_heads=2):
+    dtype = variant[0]
+    query, key_cache, value_cache, attn, _ = _step(case, variant, num_kv_heads=kv_heads, group=group, head_dim=head_dim)
     scale = head_dim ** -0.5
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
     got = native.paged_attention(query, key_cache, value_cache, attn, scale, threads)
@@ -69,21 +81,21 @@ def _attention_error(native, case, dtype, head_dim=64, group=3, threads=2, kv_he
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_attention_matches_reference(native, dtype, case):
-    assert _attention_error(native, case, dtype) < ATTN_TOL[dtype]
+def test_native_attention_matches_reference(native, variant, case):
+    assert _attention_error(native, case, variant) < ATTN_TOL[variant[0]]
 
 
 @pytest.mark.parametrize("head_dim,group", SHAPES)
-def test_native_attention_every_specialisation(native, dtype, head_dim, group):
+def test_native_attention_every_specialisation(native, variant, head_dim, group):
     for case in ("decode_ragged", "mixed_prefill_and_decode", "long_prefill_on_prefix", "prefill_block_32_on_prefix"):
-        assert _attention_error(native, case, dtype, head_dim, group) < ATTN_TOL[dtype], case
+        assert _attention_error(native, case, variant, head_dim, group) < ATTN_TOL[variant[0]], case
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_native_attention_same_rows_whatever_the_thread_count(native, dtype, threads):
+def test_native_attention_same_rows_whatever_the_thread_count(native, variant, threads):
     # The work split changes with the thread count (per kv head when there are few requests);
     # every row is computed by one thread in a fixed order, so the results are bit-identical.
-    query, key_cache, value_cache, attn, scale = _step(([5, 40, 0], [1, 1, 9], 16), dtype, num_kv_heads=3,
+    query, key_cache, value_cache, attn, scale = _step(([5, 40, 0], [1, 1, 9], 16), variant, num_kv_heads=3,
                                                        group=3, head_dim=64)
     one = native.paged_attention(query, key_cache, value_cache, attn, scale, 1)
     many = native.paged_attention(query, key_cache, value_cache, attn, scale, threads)
@@ -91,10 +103,10 @@ def test_native_attention_same_rows_whatever_the_thread_count(native, dtype, thr
 
 
 @pytest.mark.parametrize("block_size", [8, 16])  # 16: prefill rows take the tiled path
-def test_native_attention_never_reads_unowned_slots(native, dtype, block_size):
+def test_native_attention_never_reads_unowned_slots(native, variant, block_size):
     # Slots past each request's length and blocks no request owns may hold anything (the cache is
     # allocated with torch.empty): NaN there must not reach the output.
-    query, key_cache, value_cache, attn, scale = _step(([2, 13, 30], [1, 1, 7], block_size), dtype, head_dim=64)
+    query, key_cache, value_cache, attn, scale = _step(([2, 13, 30], [1, 1, 7], block_size), variant, head_dim=64)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
     for r, n in enumerate(attn.seq_lens_list):
         last = int(attn.block_tables[r][(n - 1) // block_size])
@@ -105,34 +117,37 @@ def test_native_attention_never_reads_unowned_slots(native, dtype, block_size):
         key_cache[b], value_cache[b] = float("nan"), float("nan")
     got = native.paged_attention(query, key_cache, value_cache, attn, scale, 2)
     assert torch.isfinite(got.float()).all()
-    assert (got.float() - want.float()).abs().max().item() < ATTN_TOL[dtype]
+    assert (got.float() - want.float()).abs().max().item() < ATTN_TOL[variant[0]]
 
 
-def test_native_attention_long_context_softmax_is_stable(native, dtype):
+def test_native_attention_long_context_softmax_is_stable(native, variant):
     # Large logits (scores ~ +-60) over 2,000 positions: the online softmax must rescale exactly.
-    query, key_cache, value_cache, attn, _ = _step(([1999], [1], 16), dtype, head_dim=64)
+    dtype = variant[0]
+    query, key_cache, value_cache, attn, _ = _step(([1999], [1], 16), variant, head_dim=64)
     query = (query.float() * 8).to(dtype)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, 1.0)
     got = native.paged_attention(query, key_cache, value_cache, attn, 1.0, 2)
     assert (got.float() - want.float()).abs().max().item() < 10 * ATTN_TOL[dtype]
 
 
-def test_native_attention_tiled_path_rescales_when_the_max_moves(native, dtype):
+def test_native_attention_tiled_path_rescales_when_the_max_moves(native, variant):
     # The many-row path keeps its running max until a score exceeds it by more than LAZY_MAX (8):
     # keys growing along the sequence make the max jump by tens at later chunks, and rows
     # that see only the early chunks never rescale. Large logits (+-100) on a prefix and a prefill.
     torch.manual_seed(3)
-    query, key_cache, value_cache, attn, _ = _step(([30, 0], [50, 70], 16), dtype, head_dim=64)
+    dtype, kv_dtype = variant
+    query, key_cache, value_cache, attn, _ = _step(([30, 0], [50, 70], 16), variant, head_dim=64)
     query = (query.float() * 4).to(dtype)
     ramp = torch.linspace(0.2, 3.0, key_cache.shape[0] * key_cache.shape[1]).view(key_cache.shape[0], -1, 1, 1)
-    key_cache = (key_cache.float() * ramp).to(dtype)
+    key_cache = (key_cache.float() * ramp).to(kv_dtype)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, 1.0)
     got = native.paged_attention(query, key_cache, value_cache, attn, 1.0, 2)
     assert (got.float() - want.float()).abs().max().item() < 10 * ATTN_TOL[dtype]
 
 
-def test_unsupported_shape_is_a_typed_error_and_the_op_falls_back(native, dtype):
-    query, key_cache, value_cache, attn, scale = _step(([3, 9], [1, 1], 8), dtype, head_dim=72)  # 72 % 16 != 0
+def test_unsupported_shape_is_a_typed_error_and_the_op_falls_back(native, variant):
+    dtype = variant[0]
+    query, key_cache, value_cache, attn, scale = _step(([3, 9], [1, 1], 8), variant, head_dim=72)  # 72 % 16 != 0
     with pytest.raises(cpu_native.NativeKernelError, match="head_dim"):
         native.paged_attention(query, key_cache, value_cache, attn, scale, 1)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
@@ -140,8 +155,9 @@ def test_unsupported_shape_is_a_typed_error_and_the_op_falls_back(native, dtype)
     assert (got.float() - want.float()).abs().max().item() < ATTN_TOL[dtype]
 
 
-def test_native_attention_reads_query_rows_in_place_from_a_qkv_view(native, dtype):
-    query, key_cache, value_cache, attn, scale = _step(([5, 0, 30], [1, 7, 1], 16), dtype, head_dim=64)
+def test_native_attention_reads_query_rows_in_place_from_a_qkv_view(native, variant):
+    dtype = variant[0]
+    query, key_cache, value_cache, attn, scale = _step(([5, 0, 30], [1, 7, 1], 16), variant, head_dim=64)
     qkv = torch.cat([query.flatten(1), torch.randn(query.shape[0], 2 * 2 * 64).to(dtype)], dim=1)
     view = qkv[:, :query.shape[1] * 64].view(query.shape)      # rows (15 * 64) elements apart
     assert not view.is_contiguous()
@@ -267,17 +283,25 @@ def test_native_rotary_matches_reference_on_qkv_views(native, dtype):
     assert got_q.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
 
 
-def test_native_kv_write_matches_reference(native, dtype):
+def test_native_kv_write_matches_reference(native, variant):
+    # The cache may be narrower than the activations (fp16 / bf16 under fp32): rounded to nearest
+    # even exactly as the reference's .to(); specials (subnormals, overflow, NaN) included.
     from vbatch.kernels import cache_ref
+    dtype, kv_dtype = variant
     torch.manual_seed(0)
     kv = torch.randn(5, 2 * 3 * 64).to(dtype)
+    kv[0, :8] = torch.tensor([1e-6, -3e-8, 6.1e-5, 65519.0, 65520.0, 1e30, float("nan"), -float("inf")]).to(dtype)
+    kv[1, :64] = (torch.randn(64) * 2.0 ** -20).to(dtype)    # fp16 subnormals
     k, v = (t.view(5, 3, 64) for t in kv.split([192, 192], dim=-1))
     slots = torch.tensor([17, 3, 40, 41, 0])
-    want_k, want_v = torch.zeros(4, 16, 3, 64, dtype=dtype), torch.zeros(4, 16, 3, 64, dtype=dtype)
+    want_k, want_v = torch.zeros(4, 16, 3, 64, dtype=kv_dtype), torch.zeros(4, 16, 3, 64, dtype=kv_dtype)
     got_k, got_v = want_k.clone(), want_v.clone()
     cache_ref.write_kv_cache(k, v, want_k, want_v, slots)
     NativeOps(native).write_kv_cache(k, v, got_k, got_v, slots)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)                     # NaN stays NaN (its payload may differ)
+        assert torch.equal(got[~nan], want[~nan])                      # every other value bit for bit
 
 
 def test_native_ops_fall_back_for_inputs_they_do_not_take(native):
@@ -298,10 +322,11 @@ def test_get_ops_binds_the_tiers_native_kernels(native, dtype):
     ops = get_ops("cpu", dtype, cpu_tier=native.tier)
     assert ops.cpu_tier is native.tier and ops.native is native
     assert ops.decoder_layer is not None and ops.paged_attention.__self__.kernels is native
-    half = get_ops("cpu", torch.float32, prefer_half_weights=True, cpu_tier=native.tier)
-    assert half.weight_dtype == native.tier.half_weight_dtype          # dtype auto on an fp32 tier
+    half = get_ops("cpu", torch.float32, prefer_half=True, cpu_tier=native.tier)
+    # dtype auto on an fp32 tier: weights and KV cache in the tier's half format
+    assert half.weight_dtype == half.kv_cache_dtype == native.tier.half_dtype
     exact = get_ops("cpu", torch.float32, cpu_tier=native.tier)
-    assert exact.weight_dtype == torch.float32                         # dtype float32: exact weights
+    assert exact.weight_dtype == exact.kv_cache_dtype == torch.float32  # dtype float32: exact storage
 
 
 def test_without_the_native_build_the_ops_keep_the_torch_paths(monkeypatch):
@@ -315,7 +340,7 @@ def test_without_the_native_build_the_ops_keep_the_torch_paths(monkeypatch):
     assert ops.native is None and ops.decoder_layer is None and ops.paged_attention is attention_ref.paged_attention
     packed = ops.pack_linear(torch.nn.Linear(64, 32))
     assert packed.native is None and packed.small_weight is None     # no second copy of the weights
-    assert ops.weight_dtype == torch.float32 and get_ops("cpu", torch.float32, prefer_half_weights=True).weight_dtype \
+    assert ops.weight_dtype == torch.float32 and get_ops("cpu", torch.float32, prefer_half=True).weight_dtype \
         == torch.float32                                             # nothing would stream half weights
     if tier.bf16_compute and cpu_linear.can_pack(torch.bfloat16):
         bf16 = get_ops("cpu", torch.bfloat16)
@@ -332,14 +357,15 @@ def test_disabled_by_environment(monkeypatch):
 
 # --- the whole decoder layer in one call (kernels/csrc/cpu_decoder_layer.c) ----------------------
 
-# (activation dtype, weight storage): fp32 exact, fp32 with the half formats, bf16
-LAYER_CASES = [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
-               (torch.bfloat16, torch.bfloat16)]
+# (activation dtype, weight storage, KV cache): fp32 exact, fp32 with the half formats (dtype auto:
+# avx2 fp16, portable bf16), bf16
+LAYER_CASES = [(torch.float32, torch.float32, torch.float32), (torch.float32, torch.float16, torch.float16),
+               (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("act,weights", LAYER_CASES, ids=["fp32", "fp32-fp16w", "fp32-bf16w", "bf16"])
+@pytest.mark.parametrize("act,weights,kv", LAYER_CASES, ids=["fp32", "fp32-fp16", "fp32-bf16", "bf16"])
 @pytest.mark.parametrize("name", ["llama_untied_biases", "qwen2"])  # every bias pointer; GQA
-def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weights, monkeypatch):
+def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weights, kv, monkeypatch):
     # Oracle: the same model running its layers' forward (the native ops one by one, each tested
     # against its reference above). The fused layer composes the same kernels, so the logits must
     # be identical, not just close, at 1-4 rows; 5 rows must take the layer forward.
@@ -357,7 +383,7 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weight
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in pname else 0.15 * torch.randn_like(p))
-    ops = get_ops("cpu", act, weight_dtype=weights, cpu_tier=native.tier)
+    ops = get_ops("cpu", act, weight_dtype=weights, kv_cache_dtype=kv, cpu_tier=native.tier)
     model = get_model_class(config)(config, dtype=act, device="cpu", ops=ops)
     model.load_weights(hf.state_dict().items())
     model.finalize_weights()                                   # as the model runner does: packed linears
@@ -372,7 +398,7 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weight
         for fused in (True, False):
             monkeypatch.setattr(cpu_native_ops, "FUSED_LAYER_MAX_ROWS", 4 if fused else 0)
             batch = PagedBatch(model, [len(s) + 3 for s in seqs])
-            batch.kv_caches = [(k.to(act), v.to(act)) for k, v in batch.kv_caches]
+            batch.kv_caches = [(k.to(kv), v.to(kv)) for k, v in batch.kv_caches]
             logits = [batch.step(model, seqs, [0] * rows)]                 # prefill
             for step in range(3):                                          # decode
                 tokens = [[int(l.argmax())] for l in logits[-1][-rows:]] if step else [[5]] * rows

@@ -46,7 +46,7 @@ typedef struct {
 /* hidden [rows, hidden_size]: the layer's input, replaced by its output (the MLP's);
  * residual [rows, hidden_size]: the residual stream, updated (first_layer: set from hidden).
  * Returns 0, or the attention/linear codes (1 unsupported shape, 2 out of memory). */
-int VB_ACT(vb_decoder_layer)(const VbLayer *L, const VbStep *S, act_t *key_cache, act_t *value_cache, act_t *hidden,
+int VB_ACT(vb_decoder_layer)(const VbLayer *L, const VbStep *S, kv_t *key_cache, kv_t *value_cache, act_t *hidden,
                              act_t *residual, int first_layer, int num_threads) {
     const int T = S->rows, H = L->hidden, D = L->head_dim;
     const int Q = L->num_q_heads * D, KV = L->num_kv_heads * D, QKV = Q + 2 * KV, I = L->intermediate;

@@ -1,5 +1,6 @@
 /* Fused per-token ops of the decoder layer: RMSNorm (with the residual add), SiLU-and-mul, rotary
- * embedding, and the KV-cache write; fp32 or bf16 activations (vb_act.h).
+ * embedding, and the KV-cache write; fp32 or bf16 activations, the cache in their type or half
+ * precision (vb_act.h).
  *
  * Specifications and test oracles: kernels/norm_ref.py, activation_ref.py, cpu_rotary.py (the
  * per-step tables), cache_ref.py. Python binding: kernels/cpu_native.py.
@@ -92,12 +93,28 @@ void VB_ACT(vb_rotary_rows)(act_t *q, int64_t q_row_stride, int q_heads, act_t *
 }
 
 /* key_cache[slot[t]] = key[t], value_cache[slot[t]] = value[t]: rows of `width` values (kv heads x
- * head_dim); the source rows are `k_row_stride` / `v_row_stride` elements apart. */
+ * head_dim), rounded to the cache's kv_t where it is narrower (like the reference's .to()); the
+ * source rows are `k_row_stride` / `v_row_stride` elements apart. */
+static inline void convert_row(kv_t *dst, const act_t *src, int width) {
+    int i = 0;
+    for (; i + VL <= width; i += VL) store_kv(dst + i, load_act(src + i));
+    if (i < width) {  /* the tail through a lane buffer */
+        kv_t tail[VL];
+        store_kv(tail, load_act_tail(src + i, width - i));
+        memcpy(dst + i, tail, sizeof(kv_t) * (size_t)(width - i));
+    }
+}
+
 void VB_ACT(vb_write_kv)(const act_t *key, int64_t k_row_stride, const act_t *value, int64_t v_row_stride,
-                         act_t *key_cache, act_t *value_cache, const int64_t *slots, int64_t rows, int width) {
+                         kv_t *key_cache, kv_t *value_cache, const int64_t *slots, int64_t rows, int width) {
     for (int64_t t = 0; t < rows; ++t) {
-        memcpy(key_cache + slots[t] * width, key + t * k_row_stride, sizeof(act_t) * (size_t)width);
-        memcpy(value_cache + slots[t] * width, value + t * v_row_stride, sizeof(act_t) * (size_t)width);
+        if (VB_KV_IS_ACT) {
+            memcpy(key_cache + slots[t] * width, key + t * k_row_stride, sizeof(kv_t) * (size_t)width);
+            memcpy(value_cache + slots[t] * width, value + t * v_row_stride, sizeof(kv_t) * (size_t)width);
+        } else {
+            convert_row(key_cache + slots[t] * width, key + t * k_row_stride, width);
+            convert_row(value_cache + slots[t] * width, value + t * v_row_stride, width);
+        }
     }
 }
 

@@ -1,5 +1,5 @@
-/* Paged attention on CPU over an fp32 or bf16 KV cache (vb_act.h): every row of a flattened batch
- * in one call.
+/* Paged attention on CPU: fp32 or bf16 queries over a KV cache of the same dtype or, for fp32
+ * models, of half precision (vb_act.h: act_t, kv_t): every row of a flattened batch in one call.
  *
  * Specification and test oracle: kernels/attention_ref.py `paged_attention` (same contract).
  * Python binding: kernels/cpu_native.py (built with the system C compiler, loaded with ctypes).
@@ -44,8 +44,8 @@ typedef struct {
     const act_t *query;           /* [T, Hq, D], rows query_stride apart */
     int64_t query_stride;
     act_t *out;                   /* [T, Hq, D] */
-    const act_t *key_cache;       /* [num_blocks, block_size, Hk, D] */
-    const act_t *value_cache;
+    const kv_t *key_cache;        /* [num_blocks, block_size, Hk, D] */
+    const kv_t *value_cache;
     const int32_t *block_tables;  /* [R, table_stride] */
     int64_t table_stride;
     const int32_t *query_start;   /* [R + 1] */
@@ -104,7 +104,7 @@ typedef struct {
 /* scores[g][o] = q_g . k_o (scaled) for the n rows of one block and one kv head; returns nothing,
  * the block maxima go to bmax[g]. */
 static inline __attribute__((always_inline)) void block_scores(
-        const act_t *q /* [G, D] of this kv head */, float scale, const act_t *krows, int64_t row_stride, int n,
+        const act_t *q /* [G, D] of this kv head */, float scale, const kv_t *krows, int64_t row_stride, int n,
         float *scores, int score_stride, float *bmax, const int NV, const int G) {
 #if HAVE_DPBF16
     if (NV % 2 == 0) {
@@ -138,7 +138,7 @@ static inline __attribute__((always_inline)) void block_scores(
         for (int c = 0; c < NV; ++c) qf[g][c] = load_act(q + g * NV * VL + VL * c) * scale;
     for (int o = 0; o < n; ++o) {
         vf k[MAX_HEAD_DIM / VL];
-        for (int c = 0; c < NV; ++c) k[c] = load_act(krows + o * row_stride + VL * c);
+        for (int c = 0; c < NV; ++c) k[c] = load_kv(krows + o * row_stride + VL * c);
         for (int g = 0; g < G; ++g) {
             vf dot = qf[g][0] * k[0];
             for (int c = 1; c < NV; ++c) dot += qf[g][c] * k[c];
@@ -157,12 +157,12 @@ static inline __attribute__((always_inline)) void block_scores(
 #define LAZY_MAX 8.0f
 
 /* The tiled paths' values of one chunk of n <= CHUNK positions, in fp32: vf[j][d] (zeros past n). */
-static inline __attribute__((always_inline)) void tiled_values(Scratch *sc, const act_t *vrows, int64_t row_stride,
+static inline __attribute__((always_inline)) void tiled_values(Scratch *sc, const kv_t *vrows, int64_t row_stride,
                                                                int n, const int NV) {
     const int D = NV * VL;
     for (int j = 0; j < CHUNK; ++j) {
         for (int c = 0; c < NV; ++c)
-            *(vf *)(sc->vf + j * D + VL * c) = j < n ? load_act(vrows + j * row_stride + VL * c) : splat(0.0f);
+            *(vf *)(sc->vf + j * D + VL * c) = j < n ? load_kv(vrows + j * row_stride + VL * c) : splat(0.0f);
     }
 }
 
@@ -246,7 +246,7 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
         for (int s0 = 0; s0 < len_max; s0 += 16) {
             const int n = len_max - s0 < 16 ? len_max - s0 : 16;
             const int64_t base = (int64_t)table[s0 / BS] * block_stride + (int64_t)(s0 % BS) * row_stride + (int64_t)h * D;
-            const act_t *krows = p->key_cache + base, *vrows = p->value_cache + base;
+            const kv_t *krows = p->key_cache + base, *vrows = p->value_cache + base;
             for (int b = 0; b < DP; b += 16) {  /* keys transposed: kt[dp][j] = pair dp of position j */
                 __m512i r[16];
                 for (int j = 0; j < 16; ++j)
@@ -301,11 +301,11 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
 #if !HAVE_DPBF16
 /* The chunk's keys in fp32, transposed: kt[d][j] = dimension d of position j (zeros past n), by
  * VL x VL block transposes. */
-static inline __attribute__((always_inline)) void tiled_keys_fp32(float *kt, const act_t *krows, int64_t row_stride,
+static inline __attribute__((always_inline)) void tiled_keys_fp32(float *kt, const kv_t *krows, int64_t row_stride,
                                                                   int n, const int NV) {
     for (int c = 0; c < NV; ++c) {
         vf r[VL];
-        for (int j = 0; j < VL; ++j) r[j] = j < n ? load_act(krows + j * row_stride + VL * c) : splat(0.0f);
+        for (int j = 0; j < VL; ++j) r[j] = j < n ? load_kv(krows + j * row_stride + VL * c) : splat(0.0f);
         transpose_lanes(r);
         for (int d = 0; d < VL; ++d) *(vf *)(kt + (VL * c + d) * VL) = r[d];
     }
@@ -374,49 +374,124 @@ static inline __attribute__((always_inline)) void attend_rows_tiled_fma(
 }
 #endif
 
-/* Narrow registers (AVX2, SSE, NEON) and G x NV accumulators that would not fit them: one block
- * of one kv head, one query head at a time: its NV query and NV accumulator vectors stay in
- * registers, and the block's keys and values (a few KB) are re-read from L1 per query head instead
- * of spilling G x NV vectors to the stack at every position (measured on Zen 3, fp32, G = 3, D =
- * 64: the all-heads loop below spent most of its time in spills). */
-static inline __attribute__((always_inline)) void attend_block_by_head(
-        const act_t *q /* [G, D] */, float scale, const act_t *krows, const act_t *vrows, int64_t row_stride,
-        int n, float *mx, float *sum, float *acc /* [G, D] */, float *scores, const int NV, const int G) {
-    for (int g = 0; g < G; ++g) {
-        vf qf[MAX_HEAD_DIM / VL];
+#if VL < 16
+/* Positions per softmax span of attend_row_spans: the span's keys and values of one kv head
+ * (32 x 256 B each for 64 fp32 dims) stay in L1 while every query head of the group uses them. */
+#define SPAN 32
+/* Query heads whose scores are computed together: 4 positions x 3 heads = 12 accumulators. */
+#define SCORE_HEADS 3
+
+/* Where position `pos` of the item's request sits in a cache (kv head h). */
+static inline const kv_t *cache_row(const kv_t *cache, const ItemView *iv, int block_size, int block_shift,
+                                     int pos, int h, int D) {
+    const int block = block_shift >= 0 ? pos >> block_shift : pos / block_size;
+    const int offset = block_shift >= 0 ? pos & (block_size - 1) : pos % block_size;
+    return cache + (int64_t)iv->table[block] * iv->block_stride + (int64_t)offset * iv->row_stride + (int64_t)h * D;
+}
+
+/* scores[g][o] (g < GG, o < n) = scale q_g . k_o for the span's n positions: four positions and GG query
+ * heads at a time, each key vector loaded once for all of them (q read from L1), the 4 x GG dot
+ * products independent FMA chains, summed by transposing trees. */
+static inline __attribute__((always_inline)) void span_scores(
+        const Problem *p, const ItemView *iv, const act_t *q /* [GG, D] */, int s0, int n, int h, int block_shift,
+        float *scores /* [GG, SPAN] */, const int NV, const int GG) {
+    const int D = NV * VL;
+    for (int o0 = 0; o0 < n; o0 += 4) {
+        const kv_t *krow[4];
+        for (int j = 0; j < 4; ++j)
+            krow[j] = cache_row(p->key_cache, iv, p->block_size, block_shift, s0 + (o0 + j < n ? o0 + j : o0), h, D);
+        vf dot[SCORE_HEADS][4];
+        for (int g = 0; g < GG; ++g)
+            for (int j = 0; j < 4; ++j) dot[g][j] = splat(0.0f);
 #pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) qf[c] = load_act(q + g * NV * VL + VL * c) * scale;
-        float bmax = mx[g];
-        for (int o = 0; o < n; ++o) {
-            vf dot = qf[0] * load_act(krows + o * row_stride);
-#pragma GCC unroll 16
-            for (int c = 1; c < NV; ++c) dot += qf[c] * load_act(krows + o * row_stride + VL * c);
-            const float s = hsum(dot);
-            scores[o] = s;
-            bmax = s > bmax ? s : bmax;
+        for (int c = 0; c < NV; ++c)
+            for (int j = 0; j < 4; ++j) {
+                const vf k = load_kv(krow[j] + VL * c);
+                for (int g = 0; g < GG; ++g) dot[g][j] += load_act(q + g * D + VL * c) * k;
+            }
+        for (int g = 0; g < GG; ++g) {
+            const vf quad = hsum4(dot[g][0], dot[g][1], dot[g][2], dot[g][3]) * p->scale;
+#if VL == 8  /* the two 128-bit halves hold partial sums over dims 0-3 and 4-7 of each 8 */
+            for (int j = 0; j < 4; ++j) scores[g * SPAN + o0 + j] = quad[j] + quad[j + 4];
+#else
+            for (int j = 0; j < 4; ++j) scores[g * SPAN + o0 + j] = quad[j];
+#endif
         }
-        const float alpha = exp1(mx[g] - bmax);
-        mx[g] = bmax;
-        float bsum = 0.0f;
-        for (int o = 0; o < n; o += VL) {
-            vf e = vexp(*(vf *)(scores + o) - bmax);
-            if (n - o < VL) e = select_lanes(mask_lanes_below(n - o), e, splat(0.0f));
-            *(vf *)(scores + o) = e;
-            bsum += hsum(e);
-        }
-        sum[g] = sum[g] * alpha + bsum;
-        vf a[MAX_HEAD_DIM / VL];
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) a[c] = *(vf *)(acc + g * NV * VL + VL * c) * alpha;
-        for (int o = 0; o < n; ++o) {
-            const float w = scores[o];
-#pragma GCC unroll 16
-            for (int c = 0; c < NV; ++c) a[c] += w * load_act(vrows + o * row_stride + VL * c);
-        }
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) *(vf *)(acc + g * NV * VL + VL * c) = a[c];
     }
 }
+
+/* Narrow registers (AVX2, SSE, NEON): one query row over spans of SPAN positions, the item's kv
+ * heads one after another inside each span (a span's cache rows, all heads, are read from memory
+ * once and used while in L1): the scores of every query head of the group (span_scores), then
+ * per query head its online softmax update and p.v with NV accumulators in registers, the span's
+ * values re-read from L1.
+ * NOTE: why not per block with all heads' accumulators in registers, as the 16-lane build does:
+ * G x NV accumulators (24 for 3 query heads of 64 fp32 dims) do not fit 16 registers. Measured on
+ * Zen 3 (fp32, 3 kv heads x 3 query heads, 64 x 448 positions, one thread): per query head over
+ * whole blocks 69 cycles per position and kv head with warm caches, 176 from memory; here 58 and ... */
+static inline __attribute__((always_inline)) void attend_row_spans(
+        const Problem *p, const ItemView *iv, const act_t *qrow /* [Hq, D] */, act_t *orow /* [Hq, D] */,
+        int len, int h0, int nh, Scratch *sc, const int NV, const int G) {
+    const int D = NV * VL;
+    int block_shift = -1;
+    for (int b = 0; b < 31; ++b)
+        if ((1 << b) == p->block_size) block_shift = b;
+    for (int j = 0; j < nh * G; ++j) {
+        sc->mx[j] = -FLT_MAX;
+        sc->sum[j] = 0.0f;
+    }
+    memset(sc->acc, 0, sizeof(float) * (size_t)nh * G * D);
+    for (int s0 = 0; s0 < len; s0 += SPAN) {
+        const int n = len - s0 < SPAN ? len - s0 : SPAN;
+        for (int h = h0; h < h0 + nh; ++h) {
+            const act_t *q = qrow + (int64_t)h * G * D;
+            float *m = sc->mx + (h - h0) * G, *l = sc->sum + (h - h0) * G, *acc = sc->acc + (int64_t)(h - h0) * G * D;
+            for (int g0 = 0; g0 < G; g0 += SCORE_HEADS) {
+                const int gg = G - g0 < SCORE_HEADS ? G - g0 : SCORE_HEADS;
+                float *out = sc->scores + g0 * SPAN;
+                if (gg == 3) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, out, NV, 3);
+                else if (gg == 2) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, out, NV, 2);
+                else span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, out, NV, 1);
+            }
+            for (int g = 0; g < G; ++g) {
+                float *sg = sc->scores + g * SPAN;
+                vf vmax = splat(-FLT_MAX);
+                for (int o0 = 0; o0 < n; o0 += VL) {
+                    const vf sv = load_f32(sg + o0);
+                    vmax = max_lanes(vmax, n - o0 < VL ? select_lanes(mask_lanes_below(n - o0), sv, splat(-FLT_MAX)) : sv);
+                }
+                const float top = hmax(vmax), new_m = top > m[g] ? top : m[g], alpha = exp1(m[g] - new_m);
+                m[g] = new_m;
+                vf lsum = splat(0.0f);
+                for (int o0 = 0; o0 < n; o0 += VL) {
+                    vf e = vexp(load_f32(sg + o0) - new_m);
+                    if (n - o0 < VL) e = select_lanes(mask_lanes_below(n - o0), e, splat(0.0f));
+                    store_f32(sg + o0, e);
+                    lsum += e;
+                }
+                l[g] = l[g] * alpha + hsum(lsum);
+                vf a[MAX_HEAD_DIM / VL];
+#pragma GCC unroll 16
+                for (int c = 0; c < NV; ++c) a[c] = load_f32(acc + g * D + VL * c) * alpha;
+                for (int o = 0; o < n; ++o) {
+                    const kv_t *vrow = cache_row(p->value_cache, iv, p->block_size, block_shift, s0 + o, h, D);
+                    const float w = sg[o];
+#pragma GCC unroll 16
+                    for (int c = 0; c < NV; ++c) a[c] += w * load_kv(vrow + VL * c);
+                }
+#pragma GCC unroll 16
+                for (int c = 0; c < NV; ++c) store_f32(acc + g * D + VL * c, a[c]);
+            }
+        }
+    }
+    for (int j = 0; j < nh * G; ++j) {
+        act_t *o = orow + ((int64_t)h0 * G + j) * D;
+        const float inv = 1.0f / sc->sum[j];
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) store_act(o + VL * c, load_f32(sc->acc + (int64_t)j * D + VL * c) * inv);
+    }
+}
+#endif
 
 /* One work item. NV (= head_dim / VL) and G are compile-time constants in the specialised copies
  * below, so the query and accumulator vectors of one kv head live in registers. */
@@ -433,6 +508,14 @@ static inline __attribute__((always_inline)) void attend_item(
         attend_rows_tiled(p, it, sc, NV, G);
         return;
     }
+#endif
+#if VL < 16
+    for (int i = it->row_begin; i < it->row_end; ++i) {
+        const int64_t t = q_begin + i;
+        attend_row_spans(p, &iv, p->query + t * p->query_stride, p->out + t * Hq * D, first_pos + i + 1, h0, nh,
+                         sc, NV, G);
+    }
+    return;
 #endif
     const int SS = (BS + 15) / 16 * 16;                    /* score row stride: whole aligned vectors */
 
@@ -454,18 +537,6 @@ static inline __attribute__((always_inline)) void attend_item(
                 const int64_t base = block * block_stride + (int64_t)h * D;
                 float *mx = sc->mx + (h - h0) * G, *sum = sc->sum + (h - h0) * G;
                 float *acc = sc->acc + (int64_t)(h - h0) * G * D;
-                if (VL < 16 && G * NV > 8) {  /* a compile-time choice in the specialised copies */
-                    for (int o = 0; o < n_next; ++o) {
-                        const int64_t at = next + o * row_stride + (int64_t)h * D;
-                        for (int b = 0; b < D * (int)sizeof(act_t); b += 64) {
-                            __builtin_prefetch((const char *)(p->key_cache + at) + b, 0, PREFETCH_HINT);
-                            __builtin_prefetch((const char *)(p->value_cache + at) + b, 0, PREFETCH_HINT);
-                        }
-                    }
-                    attend_block_by_head(qrow + (int64_t)h * G * D, p->scale, p->key_cache + base,
-                                         p->value_cache + base, row_stride, n, mx, sum, acc, sc->scores, NV, G);
-                    continue;
-                }
                 float bmax[MAX_GROUP];
                 for (int g = 0; g < G; ++g) bmax[g] = mx[g];
                 block_scores(qrow + (int64_t)h * G * D, p->scale, p->key_cache + base, row_stride, n,
@@ -486,17 +557,17 @@ static inline __attribute__((always_inline)) void attend_item(
                     sum[g] = sum[g] * alpha + bsum;
                     for (int c = 0; c < NV; ++c) a[g][c] = *(vf *)(acc + g * D + VL * c) * alpha;
                 }
-                const act_t *vrows = p->value_cache + base;
+                const kv_t *vrows = p->value_cache + base;
                 for (int o = 0; o < n; ++o) {
                     if (o < n_next) {
                         const int64_t at = next + o * row_stride + (int64_t)h * D;
-                        for (int b = 0; b < D * (int)sizeof(act_t); b += 64) {
+                        for (int b = 0; b < D * (int)sizeof(kv_t); b += 64) {
                             __builtin_prefetch((const char *)(p->key_cache + at) + b, 0, PREFETCH_HINT);
                             __builtin_prefetch((const char *)(p->value_cache + at) + b, 0, PREFETCH_HINT);
                         }
                     }
                     vf v[MAX_HEAD_DIM / VL];
-                    for (int c = 0; c < NV; ++c) v[c] = load_act(vrows + o * row_stride + VL * c);
+                    for (int c = 0; c < NV; ++c) v[c] = load_kv(vrows + o * row_stride + VL * c);
                     for (int g = 0; g < G; ++g) {
                         const float w = sc->scores[g * SS + o];
                         for (int c = 0; c < NV; ++c) a[g][c] += w * v[c];
@@ -577,8 +648,8 @@ struct VbAttention {
 /* Returns 0, or: 1 unsupported shape (head_dim not a multiple of 16 or above 256, more than 16
  * query heads per kv head, block size above 1024), 2 out of memory. */
 int VB_ACT(vb_attention_plan)(
-        VbAttention **plan, const act_t *query, int64_t query_stride, act_t *out, const act_t *key_cache,
-        const act_t *value_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
+        VbAttention **plan, const act_t *query, int64_t query_stride, act_t *out, const kv_t *key_cache,
+        const kv_t *value_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
         const int32_t *seq_lens, int num_reqs, int num_q_heads, int num_kv_heads, int head_dim,
         int block_size, float scale, int num_threads) {
     const int group = num_q_heads / num_kv_heads;
@@ -669,7 +740,7 @@ int VB_ACT(vb_attention_run_shared)(const VbAttention *plan) {
 
 /* The whole call: plan, run on num_threads threads, free. Returns vb_attention_plan's codes. */
 int VB_ACT(vb_paged_attention)(
-        const act_t *query, int64_t query_stride, act_t *out, const act_t *key_cache, const act_t *value_cache,
+        const act_t *query, int64_t query_stride, act_t *out, const kv_t *key_cache, const kv_t *value_cache,
         const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
         const int32_t *seq_lens, int num_reqs, int num_q_heads, int num_kv_heads, int head_dim,
         int block_size, float scale, int num_threads) {

@@ -1,14 +1,17 @@
-/* The activation type a kernel source is compiled for.
+/* The activation and KV-cache types a kernel source is compiled for.
  *
- * kernels/cpu_native.py compiles every source twice into one library: with VB_ACT_F32 for fp32
- * models (activations, KV cache, norms and biases in fp32; every CPU tier) and without it for bf16
- * models. VB_ACT(name) gives each entry point its suffix (vb_rms_norm_f32, vb_rms_norm_bf16), so
- * both sets live side by side. The kernels are written once against act_t:
+ * kernels/cpu_native.py compiles every source once per variant into one library: VB_ACT_F32 for
+ * fp32 models (activations, norms and biases in fp32; every CPU tier), without it for bf16 models,
+ * and for fp32 models VB_KV_F16 / VB_KV_BF16 for a KV cache stored in half precision (read and
+ * widened by the attention, rounded once by the KV write). VB_ACT(name) gives each entry point the
+ * variant's suffix (vb_rms_norm_f32, vb_paged_attention_f32_kvf16, vb_rms_norm_bf16), so every set
+ * lives side by side. The kernels are written once against act_t and kv_t:
  *   load_act / store_act / load_act_tail / store_act_tail  move VL (or n < VL) values as fp32;
  *   act_to_float                                          one value as fp32;
  *   round_act(v)  rounds to the activation type and back: the references' intermediate roundings
  *                 (torch rounds every op's result to the tensor's dtype): identity in fp32.
- * Arithmetic is fp32 in both.
+ *   load_kv / store_kv / load_kv8                          the same for the KV cache's kv_t.
+ * Arithmetic is fp32 in all.
  */
 #ifndef VB_ACT_H
 #define VB_ACT_H
@@ -18,7 +21,13 @@
 #if defined(VB_ACT_F32)
 
 typedef float act_t;
+#if defined(VB_KV_F16)
+#define VB_ACT(name) name##_f32_kvf16
+#elif defined(VB_KV_BF16)
+#define VB_ACT(name) name##_f32_kvbf16
+#else
 #define VB_ACT(name) name##_f32
+#endif
 #define VB_ACT_BF16 0
 
 static inline vf load_act(const act_t *src) { return load_f32(src); }
@@ -54,6 +63,23 @@ static inline float act_to_float(act_t x) {
     return v.f;
 }
 
+#endif
+
+#if defined(VB_KV_F16)
+typedef uint16_t kv_t;
+static inline vf load_kv(const kv_t *src) { return load_f16(src); }
+static inline void store_kv(kv_t *dst, vf v) { store_f16(dst, v); }
+#define VB_KV_IS_ACT 0
+#elif defined(VB_KV_BF16)
+typedef bf16 kv_t;
+static inline vf load_kv(const kv_t *src) { return load_bf16(src); }
+static inline void store_kv(kv_t *dst, vf v) { store_bf16(dst, v); }
+#define VB_KV_IS_ACT 0
+#else
+typedef act_t kv_t;
+static inline vf load_kv(const kv_t *src) { return load_act(src); }
+static inline void store_kv(kv_t *dst, vf v) { store_act(dst, v); }
+#define VB_KV_IS_ACT 1
 #endif
 
 #endif

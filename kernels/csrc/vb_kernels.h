@@ -1,8 +1,9 @@
 /* The native kernels' entry points, for the files that compose them (cpu_decoder_layer.c) and,
  * as exported symbols, for the ctypes binding (kernels/cpu_native.py).
  *
- * Every entry point exists twice, for fp32 and for bf16 activations (vb_act.h: VB_ACT(name) is
- * name_f32 or name_bf16, act_t float or bf16); these declarations are the active type's.
+ * Every entry point exists once per variant (vb_act.h: VB_ACT(name) is name_f32, name_f32_kvf16,
+ * name_f32_kvbf16 or name_bf16; act_t the activations' type, kv_t the KV cache's); these
+ * declarations are the active variant's.
  * The *_shared functions run on the threads of an enclosing OpenMP team: every thread of the team
  * calls them, they share the work out with an orphaned `omp for` and end with its barrier. The
  * other entry points open their own team of num_threads.
@@ -20,14 +21,14 @@ enum { VB_WEIGHT_F32 = 0, VB_WEIGHT_F16 = 1, VB_WEIGHT_BF16 = 2 };
 /* cpu_paged_attention.c */
 typedef struct VbAttention VbAttention;
 int VB_ACT(vb_attention_plan)(VbAttention **plan, const act_t *query, int64_t query_stride, act_t *out,
-                              const act_t *key_cache, const act_t *value_cache, const int32_t *block_tables,
+                              const kv_t *key_cache, const kv_t *value_cache, const int32_t *block_tables,
                               int64_t table_stride, const int32_t *query_start, const int32_t *seq_lens,
                               int num_reqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                               float scale, int num_threads);
 int VB_ACT(vb_attention_run_shared)(const VbAttention *plan);
 void VB_ACT(vb_attention_free)(VbAttention *plan);
-int VB_ACT(vb_paged_attention)(const act_t *query, int64_t query_stride, act_t *out, const act_t *key_cache,
-                               const act_t *value_cache, const int32_t *block_tables, int64_t table_stride,
+int VB_ACT(vb_paged_attention)(const act_t *query, int64_t query_stride, act_t *out, const kv_t *key_cache,
+                               const kv_t *value_cache, const int32_t *block_tables, int64_t table_stride,
                                const int32_t *query_start, const int32_t *seq_lens, int num_reqs,
                                int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                                int num_threads);
@@ -47,6 +48,6 @@ void VB_ACT(vb_rotary_rows)(act_t *q, int64_t q_row_stride, int q_heads, act_t *
                             int k_heads, const act_t *cos, const act_t *signed_sin, int64_t row_begin,
                             int64_t row_end, int head_dim);
 void VB_ACT(vb_write_kv)(const act_t *key, int64_t k_row_stride, const act_t *value, int64_t v_row_stride,
-                         act_t *key_cache, act_t *value_cache, const int64_t *slots, int64_t rows, int width);
+                         kv_t *key_cache, kv_t *value_cache, const int64_t *slots, int64_t rows, int width);
 
 #endif

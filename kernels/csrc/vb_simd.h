@@ -102,6 +102,29 @@ static inline vf load_f16(const uint16_t *src) {
 #endif
 }
 
+/* VL fp32 values -> IEEE half precision, rounded to nearest even like torch's .to(float16)
+ * (overflow to inf, subnormals kept, NaN stays NaN). */
+static inline vh round_f16(vf f) {
+#if VL == 16
+    return (vh)_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif VL == 8 && defined(__F16C__)
+    return (vh)_mm256_cvtps_ph((__m256)f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    /* the bit arithmetic: the magnitude, re-biased and rounded (adding 0xfff plus the kept lowest
+       mantissa bit rounds to nearest even); below 2^-14 the float adder does the rounding (adding
+       0.5 aligns the subnormal's mantissa); at or above 65520 inf, NaN a quiet NaN */
+    const vu u = (vu)f, sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    const vu normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;        /* (127 - 15) << 23 taken off */
+    const vu subnormal = (vu)((vf)a + 0.5f) - 0x3f000000u;
+    const vu is_sub = (vu)(a < 0x38800000u), is_big = (vu)(a >= 0x477ff000u), is_nan = (vu)(a > 0x7f800000u);
+    vu h = (normal & ~is_sub) | (subnormal & is_sub);
+    h = (h & ~is_big) | ((0x7c00u | (is_nan & 0x200u)) & is_big);
+    return __builtin_convertvector(h | sign, vh);
+#endif
+}
+
+static inline void store_f16(uint16_t *dst, vf f) { *(vh *)dst = round_f16(f); }
+
 /* Lane masks (all-ones lanes where true) and a select. */
 static inline vi mask_lanes_below(int n) { return (vi)LANE_INDEX < n; }  /* lane index < n */
 static inline vf select_lanes(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
@@ -198,6 +221,29 @@ static inline void transpose_lanes(vf r[VL]) {
         for (int j = 0; j < VL; ++j) t[j][i] = r[i][j];
     for (int i = 0; i < VL; ++i) r[i] = t[i];
 }
+#endif
+
+#if VL < 16
+/* Pairwise sums of two vectors, per 128-bit half: (a0+a1, a2+a3, b0+b1, b2+b3 | the same for lanes
+ * 4-7): the vhaddps pattern. */
+static inline vf hadd_pairs(vf a, vf b) {
+#if VL == 8
+    return __builtin_shuffle(a, b, (vu){0, 2, 8, 10, 4, 6, 12, 14}) + __builtin_shuffle(a, b, (vu){1, 3, 9, 11, 5, 7, 13, 15});
+#else
+    return __builtin_shuffle(a, b, (vu){0, 2, 4, 6}) + __builtin_shuffle(a, b, (vu){1, 3, 5, 7});
+#endif
+}
+
+/* Four vectors -> their four sums, in the four lanes of each 128-bit half (VL 4: the sums;
+ * VL 8: partial sums over lanes 0-3 and 4-7, which hsum_halves then adds). */
+static inline vf hsum4(vf d0, vf d1, vf d2, vf d3) { return hadd_pairs(hadd_pairs(d0, d1), hadd_pairs(d2, d3)); }
+
+#if VL == 8
+/* hsum4 of eight vectors d0-d3 (lo) and d4-d7 (hi) -> the vector of the eight sums. */
+static inline vf hsum_halves(vf lo, vf hi) {
+    return __builtin_shuffle(lo, hi, (vu){0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(lo, hi, (vu){4, 5, 6, 7, 12, 13, 14, 15});
+}
+#endif
 #endif
 
 #if defined(__AVX512F__)
