@@ -1,13 +1,15 @@
 """vbatch against its peers on the same prompts: vLLM's CPU build, transformers, llama.cpp (if installed).
 
     python bench/peers.py [--quick] [--repeats 3] [--systems vbatch,vllm,transformers,llamacpp]
-                          [--no-docs] [--skip-latency]
+                          [--transformers-batch-sizes 32,64] [--transformers-dtypes auto]
+                          [--llamacpp-batch-sizes 1,16] [--no-docs] [--skip-latency]
 
 Builds the prompts once (vbatch's seeded random dataset, `vbatch.cli.bench_dataset`) and gives
 the very same token ids to every system; runs each system in its own process and its own
 high-priority session, alternating the systems and rotating their order every repetition;
-records /proc/loadavg around each run; prints medians and ratios and writes
-docs/benchmarks.md with the command, the commit and the machine. vbatch runs through its
+records /proc/loadavg around each run; prints medians and ratios and writes this CPU kind's
+section of docs/benchmarks.md (one section per kind: the native-kernel tier and the CPU flags that
+chose it; the other kinds' sections are kept) with the command, the commit and the machine. vbatch runs through its
 real CLI (`vbatch bench throughput --json`); the peers through `bench/peer_workers.py`; vLLM
 in its own venv (created here on first use: ~/.cache/vbatch/bench/vllm-venv).
 """
@@ -71,6 +73,14 @@ def probe_priority() -> list[str]:
     return PRIORITY if ok else []
 
 
+def transformers_dtypes(option: str) -> list[str]:
+    """The dtypes transformers runs in: as given, or (auto) the one this CPU computes fast."""
+    if option != "auto":
+        return [d.strip() for d in option.split(",") if d.strip()]
+    from vbatch.engine.device import cpu_has_fast_bf16
+    return ["bfloat16" if cpu_has_fast_bf16() else "float32"]
+
+
 def build_spec(args, workdir: Path) -> dict:
     from vbatch.cli.bench_dataset import LengthRange, build_prompts, parse_length_range, prompts_digest, special_token_ids
     from vbatch.engine.models.catalogue import CATALOGUE
@@ -92,7 +102,10 @@ def build_spec(args, workdir: Path) -> dict:
             gguf = str(entry_file(CATALOGUE[args.model], cache_root(), quiet=True))
         except Exception:  # the GGUF is only for llama.cpp, which is optional
             gguf = None
-    return {"model": args.model, "model_dir": str(folder), "gguf": gguf, "prompts": prompts,
+    from vbatch.kernels.cpu_features import detect, selected_tier
+    cpu = detect()
+    return {"cpu_kind": selected_tier().name, "cpu_flags": cpu.deciding_flags, "cpu_model": cpu.model_name,
+            "model": args.model, "model_dir": str(folder), "gguf": gguf, "prompts": prompts,
             "latency_prompt": latency_prompt, "input_len": str(lengths), "output_len": args.output_len,
             "threads": args.threads, "seed": args.seed, "latency_iters": 0 if args.skip_latency else args.latency_iters,
             "max_num_seqs": 256, "max_model_len": lengths.high + args.output_len,
@@ -185,6 +198,9 @@ def run_one(system: str, variant: str, spec: dict, spec_path: Path, workdir: Pat
         python = str(vllm_python) if system == "vllm" else sys.executable
         cmd = [python, workers, system, "--spec", str(spec_path), "--out", str(out)]
         if system == "transformers":
+            batch, dtype = variant.split("/")
+            cmd += ["--batch-size", batch, "--dtype", dtype]
+        elif system == "llamacpp":
             cmd += ["--batch-size", variant]
         rc, wall, before, after = timed_run(cmd, priority, env, workdir / f"{tag}.log")
         record["load"] = [[before, after]]
@@ -223,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="vbatch,vllm,transformers,llamacpp")
     parser.add_argument("--transformers-batch-sizes", default="32,64")
+    parser.add_argument("--transformers-dtypes", default="auto",
+                        help="float32, bfloat16 or both; auto: bfloat16 where this CPU computes it fast "
+                             "(avx512_bf16), else float32 (bf16 GEMMs run ~8x slower than fp32 on AVX2)")
+    parser.add_argument("--llamacpp-batch-sizes", default="1,16",
+                        help="1: one sequence at a time (the high-level API); N: N sequences batched")
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S, help="seconds before a run is killed")
     parser.add_argument("--workdir", default=None, help="keep logs and JSON here (default: a temp folder)")
@@ -256,9 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     variants = []
     for s in systems:
         if s == "transformers":
-            variants += [("transformers", b.strip()) for b in args.transformers_batch_sizes.split(",")]
+            variants += [("transformers", f"{b.strip()}/{d}") for d in transformers_dtypes(args.transformers_dtypes)
+                         for b in args.transformers_batch_sizes.split(",")]
+        elif s == "llamacpp":
+            variants += [("llamacpp", b.strip()) for b in args.llamacpp_batch_sizes.split(",")]
         else:
-            variants.append((s, "256" if s in ("vbatch", "vllm") else "1"))
+            variants.append((s, "256"))
     records, ceilings = [], []
     for rep in range(args.repeats):
         c = measure_ceilings(priority, args.threads, workdir, f"ceilings-r{rep}")

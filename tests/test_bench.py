@@ -215,7 +215,7 @@ def test_peers_report_medians_ratios_and_fractions(tmp_path):
             "output_len": 4, "latency_iters": 1, "threads": 2}
     out = tmp_path / "b.md"
     text = report.write_report(records, ceilings, spec, SimpleNamespace(repeats=3), ["bench/peers.py"], out)
-    assert out.read_text() == text
+    assert text in out.read_text() and text.startswith("<!-- cpu-kind avx512-bf16 -->")   # this kind's section
     assert "vbatch ÷ vLLM CPU: **2.00x** (target ≥ 1.5x: met)" in text       # 1000 / 500
     assert "transformers (its best batch): **5.00x**" in text                 # 1000 / best(100, 200)
     assert "compute ceiling: **50%**" in text                                 # 1100 / 2200
@@ -251,6 +251,40 @@ def test_op_times_script_times_every_op_inside_the_step():
     decode_phases = dict(cell.rsplit(" ", 1) for cell in phases.split("decode (")[1].split("): ")[1].split(", "))
     ms = {name: float(v) for name, v in decode_phases.items()}
     assert 0 < ms["model forward"] + ms["logits head"] + ms["sampler"] <= ms["whole step"] + 0.03
+
+
+def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
+    # An AVX2 run: its own targets (transformers 3x at its best batch and dtype, llama.cpp 1.5x at
+    # its best batching, batch-1 vs llama.cpp, bandwidth at the 2-byte weights vbatch streams), and
+    # the AVX-512 section written before stays as it was.
+    report = _peers_report()
+    out = tmp_path / "b.md"
+    spec = {"model": "m", "prompts": [[1, 2]], "input_len": "2", "digest": "d", "latency_prompt": [1],
+            "output_len": 4, "latency_iters": 1, "threads": 2}
+    ceilings = [{"rates": {"gemm_gflops": {"float32": 150.0, "bfloat16": 19.0}, "read_gb_s": 23.0},
+                 "linear_params": 100, "ceilings": {"float32": {"compute_tok_s": 700.0, "bandwidth_tok_s": 40.0},
+                                                    "bfloat16": {"compute_tok_s": 90.0, "bandwidth_tok_s": 80.0}}}]
+    zen4 = [_record("vbatch", "256", 0, 300.0)]
+    report.write_report(zen4, ceilings, spec | {"cpu_kind": "avx512-bf16"}, SimpleNamespace(repeats=1), ["p"], out)
+    first = out.read_text()
+    vb = _record("vbatch", "256", 0, 130.0, decode=250.0, lat_decode=60.0)
+    vb["result"].update(dtype="float32", weight_dtype="float16", kv_cache_dtype="float16")
+    vb["result"]["latency"]["output_tokens_per_s"] = 62.0
+    records = [vb, _record("transformers", "32/float32", 0, 40.0), _record("transformers", "32/bfloat16", 0, 10.0),
+               _record("llamacpp", "1", 0, 43.0), _record("llamacpp", "32", 0, 80.0)]
+    records[-2]["result"]["latency"]["output_tokens_per_s"] = 62.0
+    records[-1]["result"]["latency"] = None
+    text = report.write_report(records, ceilings, spec | {"cpu_kind": "avx2", "cpu_flags": "avx2 fma f16c, no avx512_bf16"},
+                               SimpleNamespace(repeats=1), ["p"], out)
+    whole = out.read_text()
+    zen4_section = first.split("<!-- cpu-kind avx512-bf16 -->")[1].split("<!-- /cpu-kind avx512-bf16 -->")[0]
+    assert zen4_section in whole and text in whole and whole.index(zen4_section) < whole.index(text)
+    assert "CPU flags that chose the path: avx2 fma f16c, no avx512_bf16" in text
+    assert "(its best batch and dtype): **3.25x** (target ≥ 3.0x: met)" in text   # 130 / 40 (fp32, not bf16)
+    assert "llama.cpp (its best batching): **1.62x** (target ≥ 1.5x: met)" in text  # 130 / 80
+    assert "batch-1 output tok/s, vbatch ÷ llama.cpp: **1.00x**" in text            # 62 / 62
+    assert "bandwidth ceiling (the bytes vbatch reads: its weight storage): **75%**" in text  # 60 / 80 (2-byte)
+    assert "| float32 (float16 weights, float16 KV) |" in text and "| 32 sequences batched |" in text
 
 
 def test_peers_report_ceilings_are_the_best_measurement():
