@@ -37,6 +37,35 @@ def _cpu():
     return cpu_features
 
 
+def native_test_tiers() -> list:
+    """The native-kernel builds the kernel tests run: every tier this CPU runs, and on a CPU without
+    AVX-512 also the kernels at 16 lanes in plain C (the AVX-512 tier's vector width and code paths,
+    minus its intrinsics), so a change tested on an AVX2 machine has run the 16-lane shape too."""
+    cpu_features = _cpu()
+    if cpu_features is None:
+        return []
+    import torch
+    tiers = list(cpu_features.detect().tiers)
+    if cpu_features.AVX512_BF16 not in tiers:
+        tiers.append(cpu_features.CpuTier(
+            name="lanes16", required_flags=frozenset(), compile_flags=("-DVB_LANES=16",), half_dtype=torch.bfloat16,
+            bf16_compute=False, description="test only: 16 lanes in plain C (the AVX-512 tier's shape)"))
+    return tiers
+
+
+NATIVE_TEST_TIERS = native_test_tiers()
+
+
+@pytest.fixture(params=NATIVE_TEST_TIERS, ids=[t.name for t in NATIVE_TEST_TIERS])
+def native(request):
+    """The native kernels of one build (native_test_tiers); skips where they cannot be built."""
+    from vbatch.kernels import cpu_native
+    kernels = cpu_native.load(request.param)
+    if kernels is None:
+        pytest.skip(f"the {request.param.name} native kernels were not built (no C compiler, or VBATCH_CPU_NATIVE=0)")
+    return kernels
+
+
 def pytest_report_header(config):
     """Which CPU this is and which native-kernel tiers the suite builds and tests on it."""
     cpu_features = _cpu()
@@ -44,7 +73,7 @@ def pytest_report_header(config):
         return []
     cpu = cpu_features.detect()
     return [f"CPU: {cpu.model_name} ({cpu.machine}; {cpu.deciding_flags})",
-            f"native-kernel tiers tested: {', '.join(t.name for t in cpu.tiers)}; "
+            f"native-kernel builds tested: {', '.join(t.name for t in NATIVE_TEST_TIERS)}; "
             f"engine tests run on: {cpu_features.selected_tier().name}"]
 
 
@@ -55,7 +84,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     passed = [r.nodeid for r in terminalreporter.stats.get("passed", [])]
     counts = []
-    for tier in cpu_features.detect().tiers:
+    for tier in NATIVE_TEST_TIERS:
         marks = (f"[{tier.name}-", f"-{tier.name}-", f"-{tier.name}]", f"[{tier.name}]")
         counts.append(f"{tier.name} {sum(any(m in nodeid for m in marks) for nodeid in passed)}")
     terminalreporter.write_line(f"CPU paths exercised (tier-parametrised tests passed): {', '.join(counts)}; "

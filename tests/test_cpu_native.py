@@ -1,9 +1,10 @@
 """The native C kernels (kernels/csrc via kernels/cpu_native.py) of every CPU tier this machine runs.
 
 Each test runs once per tier the CPU can execute (kernels/cpu_features.py: an AVX-512 bf16 machine
-builds and tests avx512-bf16, avx2 and portable; an AVX2 machine avx2 and portable) and, where the
-kernel has both, for fp32 and bf16 activations. A kernel a tier lacks (the bf16 small-rows linear
-needs avx512_bf16) skips with that reason.
+builds and tests avx512-bf16, avx2 and portable; an AVX2 machine avx2, portable and the 16-lane
+shape of the AVX-512 code in plain C: conftest.native_test_tiers) and, where the kernel has both,
+for fp32 and bf16 activations (and the KV-cache variants). A kernel a build lacks (the bf16
+small-rows linear needs avx512_bf16) skips with that reason.
 
 Oracles: the references (attention_ref, norm_ref, activation_ref, cpu_rotary / rotary_ref,
 cache_ref), the exact fp64 product for the small-rows linear, and the layer's own op-by-op
@@ -20,11 +21,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import NATIVE_TEST_TIERS
 from test_cpu_kernels import CASES, _random_step
 from vbatch.kernels import attention_ref, cpu_features, cpu_native, cpu_rotary
 from vbatch.kernels.cpu_native_ops import NativeOps
 
-TIERS = cpu_features.detect().tiers
+TIERS = NATIVE_TEST_TIERS
 DTYPES = [torch.float32, torch.bfloat16]
 ATTN_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 # (activations, KV cache): cpu_native.VARIANTS; the half caches under fp32 are the dtype-auto storage
@@ -42,14 +44,6 @@ CASES = {**CASES,
 # (head_dim, query heads per kv head): the specialised copies (64/128 x 1-8), the generic one
 # (96, 12 > 8) and odd numbers of 16-lane vectors (48, 16; the bf16 AVX-512 build then uses fp32 q.k).
 SHAPES = [(64, 3), (64, 7), (128, 2), (32, 1), (96, 12), (48, 3), (16, 2)]
-
-
-@pytest.fixture(params=TIERS, ids=[t.name for t in TIERS])
-def native(request) -> cpu_native.NativeKernels:
-    kernels = cpu_native.load(request.param)
-    if kernels is None:
-        pytest.skip(f"the {request.param.name} native kernels were not built (no C compiler, or VBATCH_CPU_NATIVE=0)")
-    return kernels
 
 
 @pytest.fixture(params=DTYPES, ids=["fp32", "bf16"])
@@ -165,17 +159,18 @@ def test_native_attention_reads_query_rows_in_place_from_a_qkv_view(native, vari
     assert torch.equal(native.paged_attention(view, key_cache, value_cache, attn, scale, 2), want)
 
 
-def test_build_is_cached_per_tier_and_a_missing_compiler_is_reported(native, tmp_path, monkeypatch):
+def test_build_is_cached_per_tier_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
+    # One tier built into a fresh cache (every tier builds the same way; the others' libraries are the
+    # ones the tests above loaded): compiled once, then reused; each tier has its own flags and key.
+    tier = cpu_features.selected_tier()
     monkeypatch.setenv("VBATCH_CACHE", str(tmp_path))
-    first, compiled_now = cpu_native.build(native.tier)
+    first, compiled_now = cpu_native.build(tier)
     assert compiled_now and first.is_file() and first.is_relative_to(tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert cpu_native.build(native.tier) == (first, False) and first.stat().st_mtime_ns == mtime  # reused
-    others = [t for t in TIERS if t != native.tier]
-    if others:  # another tier is another build (its own flags and cache key)
-        assert cpu_native.build_flags(others[0]) != cpu_native.build_flags(native.tier)
+    assert cpu_native.build(tier) == (first, False) and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert len({cpu_native.build_flags(t) for t in TIERS}) == len(TIERS)
     with pytest.raises(FileNotFoundError):
-        cpu_native.build(native.tier, compiler=str(tmp_path / "no-such-cc"))
+        cpu_native.build(tier, compiler=str(tmp_path / "no-such-cc"))
 
 
 # --- the small-rows linear (kernels/csrc/cpu_linear_small.c) --------------------------------------

@@ -433,21 +433,8 @@ def test_empty_batch():
 # The model runner hands the sampler the model's own logits on CPU (fp32, or bf16) with the native
 # kernels of its CPU tier (kernels/csrc/cpu_sample.c): rows that use only a temperature are drawn
 # there, the others by the torch path above on the same (upcast) logits and the same per-row
-# uniform numbers. Every test runs for every tier this CPU runs and both logits dtypes.
-
-from vbatch.kernels import cpu_features  # noqa: E402
-
-NATIVE_TIERS = cpu_features.detect().tiers
-
-
-@pytest.fixture(params=NATIVE_TIERS, ids=[t.name for t in NATIVE_TIERS])
-def native(request):
-    from vbatch.kernels import cpu_native
-    kernels = cpu_native.load(request.param)
-    if kernels is None:
-        pytest.skip("no C compiler: the native kernels were not built")
-    return kernels
-
+# uniform numbers. Every test runs for every native build this CPU tests (conftest.native_test_tiers;
+# the `native` fixture) and both logits dtypes.
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def logits_dtype(request):

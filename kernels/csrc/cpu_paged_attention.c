@@ -166,20 +166,24 @@ static inline __attribute__((always_inline)) void tiled_values(Scratch *sc, cons
     }
 }
 
+/* (row, head) pairs per step of tiled_pv: their PV_ROWS x NV accumulators in registers (16 of 32
+ * zmm with AVX-512; with 16 registers one pair of 64 fp32 dims, 8 ymm: four pairs spilled every FMA). */
+#define PV_ROWS(NV) (VL == 16 ? 4 : (NV) >= 8 ? 1 : 8 / (NV))
+
 /* The tiled paths' p.v for (row, head) pairs [rg_begin, rg_end): tacc[i] += sum_j tp[i][j] * vf[j],
- * four accumulators at a time: independent FMA chains, shared loads. */
+ * PV_ROWS accumulators at a time: independent FMA chains, shared loads. */
 static inline __attribute__((always_inline)) void tiled_pv(Scratch *sc, int rg_begin, int rg_end, int n, const int NV) {
-    const int D = NV * VL;
-    for (int i0 = rg_begin; i0 < rg_end; i0 += 4) {
-        const int cnt = rg_end - i0 < 4 ? rg_end - i0 : 4;
+    const int D = NV * VL, U = PV_ROWS(NV);
+    for (int i0 = rg_begin; i0 < rg_end; i0 += U) {
+        const int cnt = rg_end - i0 < U ? rg_end - i0 : U;
         vf a[4][MAX_HEAD_DIM / VL];
-        for (int u = 0; u < 4; ++u)
+        for (int u = 0; u < U; ++u)
             for (int c = 0; c < NV; ++c)
                 a[u][c] = u < cnt ? *(vf *)(sc->tacc + (int64_t)(i0 + u) * D + VL * c) : splat(0.0f);
         for (int j = 0; j < n; ++j) {
             vf v[MAX_HEAD_DIM / VL];
             for (int c = 0; c < NV; ++c) v[c] = *(const vf *)(sc->vf + j * D + VL * c);
-            for (int u = 0; u < 4; ++u) {
+            for (int u = 0; u < U; ++u) {
                 const float w = u < cnt ? sc->tp[(i0 + u) * 16 + j] : 0.0f;
                 for (int c = 0; c < NV; ++c) a[u][c] += w * v[c];
             }
@@ -311,6 +315,10 @@ static inline __attribute__((always_inline)) void tiled_keys_fp32(float *kt, con
     }
 }
 
+/* (row, head) pairs whose scores are computed side by side: QK_ROWS independent FMA chains per key
+ * vector (with four, the chains' latency held the loop to under half the FMA rate on Zen 3). */
+#define QK_ROWS 8
+
 /* attend_rows_tiled for builds without vdpbf16ps (fp32 activations on every tier, bf16 without
  * avx512_bf16): chunks of VL positions, the same lazy max and p.v, with q.k as fp32 FMAs against
  * the transposed keys (one broadcast q element times the chunk's values of that dimension), so the
@@ -335,18 +343,18 @@ static inline __attribute__((always_inline)) void attend_rows_tiled_fma(
             /* rows whose position is below s0 are finished */
             const int first_active = s0 - first_pos > r0 ? s0 - first_pos - r0 : 0;
             const int rg_begin = first_active * G, rg_end = R * G;
-            for (int i0 = rg_begin; i0 < rg_end; i0 += 4) {
-                const int cnt = rg_end - i0 < 4 ? rg_end - i0 : 4;
-                const act_t *qp[4];
-                vf acc[4];
-                for (int u = 0; u < 4; ++u) {
+            for (int i0 = rg_begin; i0 < rg_end; i0 += QK_ROWS) {
+                const int cnt = rg_end - i0 < QK_ROWS ? rg_end - i0 : QK_ROWS;
+                const act_t *qp[QK_ROWS];
+                vf acc[QK_ROWS];
+                for (int u = 0; u < QK_ROWS; ++u) {
                     const int i = i0 + (u < cnt ? u : 0), r = i / G, g = i % G;
                     qp[u] = p->query + (int64_t)(q_begin + r0 + r) * p->query_stride + ((int64_t)h * G + g) * D;
                     acc[u] = splat(0.0f);
                 }
                 for (int d = 0; d < D; ++d) {
                     const vf k = *(const vf *)(kt + d * VL);
-                    for (int u = 0; u < 4; ++u) acc[u] += act_to_float(qp[u][d]) * k;
+                    for (int u = 0; u < QK_ROWS; ++u) acc[u] += act_to_float(qp[u][d]) * k;
                 }
                 for (int u = 0; u < cnt; ++u) {
                     const int i = i0 + u, last = first_pos + r0 + i / G - s0;  /* last position this row sees */

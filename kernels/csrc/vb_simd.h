@@ -20,12 +20,20 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__)
+#if defined(VB_LANES)  /* tests only: another width in plain C (16 checks the AVX-512 code shape anywhere) */
+#define VL VB_LANES
+#elif defined(__AVX512F__)
 #define VL 16
 #elif defined(__AVX__)
 #define VL 8
 #else
 #define VL 4
+#endif
+/* The AVX-512 intrinsics below are used only when the lanes are AVX-512's. */
+#if VL == 16 && defined(__AVX512F__)
+#define VB_AVX512 1
+#else
+#define VB_AVX512 0
 #endif
 
 typedef uint16_t bf16;
@@ -52,7 +60,7 @@ static inline vf splat(float x) { return (vf){0} + x; }
 static inline vf widen_bf16(vh h) { return (vf)(__builtin_convertvector(h, vu) << 16); }
 
 static inline vf load_bf16(const bf16 *src) {
-#if VL == 16
+#if VB_AVX512
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
 #else
     return widen_bf16(*(const vh *)src);
@@ -86,7 +94,7 @@ static inline void store_f32(float *dst, vf v) { *(vf_unaligned *)dst = v; }
 
 /* VL IEEE half-precision values -> fp32, exactly (normals, subnormals, inf and NaN). */
 static inline vf load_f16(const uint16_t *src) {
-#if VL == 16
+#if VB_AVX512
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
 #elif VL == 8 && defined(__F16C__)
     return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
@@ -105,7 +113,7 @@ static inline vf load_f16(const uint16_t *src) {
 /* VL fp32 values -> IEEE half precision, rounded to nearest even like torch's .to(float16)
  * (overflow to inf, subnormals kept, NaN stays NaN). */
 static inline vh round_f16(vf f) {
-#if VL == 16
+#if VB_AVX512
     return (vh)_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #elif VL == 8 && defined(__F16C__)
     return (vh)_mm256_cvtps_ph((__m256)f, _MM_FROUND_TO_NEAREST_INT);
@@ -161,7 +169,7 @@ static inline vf vexp(vf x) {
     x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
     x = (vf)(((vi)x & ~high) | ((vi)splat(88.0f) & high));
     const vf t = x * 1.4426950408889634f;  /* x / ln 2 */
-#if VL == 16
+#if VB_AVX512
     const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
     /* round to nearest even by the 1.5 * 2^23 trick (exact for |t| < 2^22; here |t| < 128): plain
