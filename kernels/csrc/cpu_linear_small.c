@@ -87,6 +87,10 @@ int VB_ACT(vb_linear_small_shared)(const act_t *x, const void *weight, int weigh
 
 #else  /* fp32 activations */
 
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 512
+#endif
+
 /* VL weights at w + k, widened to fp32 (FMT is a compile-time constant in the copies below). */
 static inline __attribute__((always_inline)) vf load_w(const void *w, int64_t k, const int FMT) {
     if (FMT == VB_WEIGHT_F32) return load_f32((const float *)w + k);
@@ -112,11 +116,15 @@ static inline __attribute__((always_inline)) void row_f32(
     vf acc[4][4];
     for (int m = 0; m < M; ++m)
         for (int c = 0; c < C; ++c) acc[m][c] = splat(0.0f);
-    for (int k = 0; k < full; k += step)
+    for (int k = 0; k < full; k += step) {
+        /* PREFETCH_AHEAD bytes ahead along the stream (into the next rows near a row's end): measured
+           on Zen 3, 2 threads, the model's fp16 weights: 19.5-20.1 -> 22.2-23.6 GB/s */
+        for (int b = 0; b < step * esize; b += 64) __builtin_prefetch(row + (int64_t)k * esize + b + PREFETCH_AHEAD, 0, 3);
         for (int c = 0; c < C; ++c) {
             const vf wv = load_w(row, k + VL * c, FMT);
             for (int m = 0; m < M; ++m) acc[m][c] += load_f32(x + (int64_t)m * k_in + k + VL * c) * wv;
         }
+    }
     for (int k = full; k + VL <= k_in; k += VL) {  /* whole vectors past the unrolled part */
         const vf wv = load_w(row, k, FMT);
         for (int m = 0; m < M; ++m) acc[m][0] += load_f32(x + (int64_t)m * k_in + k) * wv;
