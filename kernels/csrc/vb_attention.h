@@ -1,0 +1,85 @@
+/* The paged-attention kernel's shared pieces (kernels/csrc/cpu_paged_attention.c and the paths it
+ * includes): limits, the problem and work-item descriptions, the per-thread scratch.
+ * Included once per build variant (vb_act.h), by the attention sources only.
+ */
+#ifndef VB_ATTENTION_H
+#define VB_ATTENTION_H
+
+#include <float.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vb_kernels.h"
+
+#define ROWS_PER_ITEM 16
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK_SIZE 1024
+/* Prefetch one block ahead into L2 (hint 2): measured here at batch 64 x 448 positions, scattered
+ * blocks, 2 threads: 1.74 ms with L1 prefetches (hint 3), 1.25-1.29 into L2, 1.87 without; two
+ * blocks ahead changed nothing. */
+#define PREFETCH_HINT 2
+#define PREFETCH_BLOCKS 1
+
+typedef struct {
+    const act_t *query;           /* [T, Hq, D], rows query_stride apart */
+    int64_t query_stride;
+    act_t *out;                   /* [T, Hq, D] */
+    const kv_t *key_cache;        /* [num_blocks, block_size, Hk, D] */
+    const kv_t *value_cache;
+    const int32_t *block_tables;  /* [R, table_stride] */
+    int64_t table_stride;
+    const int32_t *query_start;   /* [R + 1] */
+    const int32_t *seq_lens;      /* [R] */
+    int num_q_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} Problem;
+
+typedef struct { int32_t req, head_begin, head_end, row_begin, row_end; } Item;
+
+/* Where one item's request lives: its cache strides, block table and query rows. */
+typedef struct {
+    int64_t row_stride, block_stride;  /* elements between cache rows (positions), blocks */
+    const int32_t *table;              /* the request's block table */
+    int q_begin, first_pos;            /* its first query row; the absolute position of that row */
+    int r0, rows, len_max;             /* the item's first row in the request, its row count, and the
+                                          positions its last row sees (< len_max) */
+} ItemView;
+
+static inline ItemView item_view(const Problem *p, const Item *it, int head_dim) {
+    ItemView v;
+    v.row_stride = (int64_t)p->num_kv_heads * head_dim;
+    v.block_stride = (int64_t)p->block_size * v.row_stride;
+    v.table = p->block_tables + (int64_t)it->req * p->table_stride;
+    v.q_begin = p->query_start[it->req];
+    v.first_pos = p->seq_lens[it->req] - (p->query_start[it->req + 1] - v.q_begin);
+    v.r0 = it->row_begin;
+    v.rows = it->row_end - it->row_begin;
+    v.len_max = v.first_pos + it->row_end;
+    return v;
+}
+
+/* Per-thread scratch for one item: running softmax state and accumulators of every head. */
+typedef struct {
+    float scores[MAX_GROUP * MAX_BLOCK_SIZE];  /* [G, block_size rounded up to 16] of the current block */
+    float *acc;                                /* [heads in item, G, D] */
+    float *mx, *sum;                           /* [heads in item, G] */
+    /* the tiled (many-row) path: one kv head at a time */
+    float *tacc;                               /* [ROWS_PER_ITEM * G, D] */
+    float *tm;                                 /* [ROWS_PER_ITEM * G] running max */
+    float *tl;                                 /* [ROWS_PER_ITEM * G, 16] running sums, per lane */
+    float *tp;                                 /* [ROWS_PER_ITEM * G, 16] softmax numerators of the chunk */
+    uint32_t *kt;                              /* the chunk's keys, transposed: [D / 2, 16] bf16 pairs
+                                                  (vdpbf16ps) or [D, VL] fp32 (FMAs) */
+    float *vf;                                 /* [CHUNK, D] the chunk's values in fp32 */
+} Scratch;
+
+#if VB_ACT_BF16 && defined(__AVX512BF16__)
+#define HAVE_DPBF16 1
+#define CHUNK 16  /* positions per step of the tiled path: one 16-lane score vector */
+#else
+#define HAVE_DPBF16 0
+#define CHUNK VL
+#endif
+
+#endif

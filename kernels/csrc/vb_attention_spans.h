@@ -1,0 +1,128 @@
+/* The decode path of the paged attention on narrow registers (AVX2, SSE, NEON: VL < 16): one query
+ * row over spans of positions. Included by kernels/csrc/cpu_paged_attention.c.
+ */
+#ifndef VB_ATTENTION_SPANS_H
+#define VB_ATTENTION_SPANS_H
+
+#include "vb_attention.h"
+
+#if VL < 16
+/* Positions per softmax span of attend_row_spans: the span's keys and values of one kv head
+ * (32 x 256 B each for 64 fp32 dims) stay in L1 while every query head of the group uses them. */
+#define SPAN 32
+/* Query heads whose scores are computed together: 4 positions x 3 heads = 12 accumulators. */
+#define SCORE_HEADS 3
+
+/* Where position `pos` of the item's request sits in a cache (kv head h). */
+static inline const kv_t *cache_row(const kv_t *cache, const ItemView *iv, int block_size, int block_shift,
+                                     int pos, int h, int D) {
+    const int block = block_shift >= 0 ? pos >> block_shift : pos / block_size;
+    const int offset = block_shift >= 0 ? pos & (block_size - 1) : pos % block_size;
+    return cache + (int64_t)iv->table[block] * iv->block_stride + (int64_t)offset * iv->row_stride + (int64_t)h * D;
+}
+
+/* scores[g][o] (g < GG, o < n) = scale q_g . k_o for the span's n positions: four positions and GG query
+ * heads at a time, each key vector loaded once for all of them (q read from L1), the 4 x GG dot
+ * products independent FMA chains, summed by transposing trees. */
+static inline __attribute__((always_inline)) void span_scores(
+        const Problem *p, const ItemView *iv, const act_t *q /* [GG, D] */, int s0, int n, int h, int block_shift,
+        float *scores /* [GG, SPAN] */, const int NV, const int GG) {
+    const int D = NV * VL;
+    for (int o0 = 0; o0 < n; o0 += 4) {
+        const kv_t *krow[4];
+        for (int j = 0; j < 4; ++j)
+            krow[j] = cache_row(p->key_cache, iv, p->block_size, block_shift, s0 + (o0 + j < n ? o0 + j : o0), h, D);
+        vf dot[SCORE_HEADS][4];
+        for (int g = 0; g < GG; ++g)
+            for (int j = 0; j < 4; ++j) dot[g][j] = splat(0.0f);
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c)
+            for (int j = 0; j < 4; ++j) {
+                const vf k = load_kv(krow[j] + VL * c);
+                for (int g = 0; g < GG; ++g) dot[g][j] += load_act(q + g * D + VL * c) * k;
+            }
+        for (int g = 0; g < GG; ++g) {
+            const vf quad = hsum4(dot[g][0], dot[g][1], dot[g][2], dot[g][3]) * p->scale;
+#if VL == 8  /* the two 128-bit halves hold partial sums over dims 0-3 and 4-7 of each 8 */
+            for (int j = 0; j < 4; ++j) scores[g * SPAN + o0 + j] = quad[j] + quad[j + 4];
+#else
+            for (int j = 0; j < 4; ++j) scores[g * SPAN + o0 + j] = quad[j];
+#endif
+        }
+    }
+}
+
+/* Narrow registers (AVX2, SSE, NEON): one query row over spans of SPAN positions, the item's kv
+ * heads one after another inside each span (a span's cache rows, all heads, are read from memory
+ * once and used while in L1): the scores of every query head of the group (span_scores), then
+ * per query head its online softmax update and p.v with NV accumulators in registers, the span's
+ * values re-read from L1.
+ * NOTE: why not per block with all heads' accumulators in registers, as the 16-lane build does:
+ * G x NV accumulators (24 for 3 query heads of 64 fp32 dims) do not fit 16 registers. Measured on
+ * Zen 3 (fp32, 3 kv heads x 3 query heads, 64 x 448 positions, one thread): per query head over
+ * whole blocks 69 cycles per position and kv head with warm caches, 176 from memory; here 58 and ... */
+static inline __attribute__((always_inline)) void attend_row_spans(
+        const Problem *p, const ItemView *iv, const act_t *qrow /* [Hq, D] */, act_t *orow /* [Hq, D] */,
+        int len, int h0, int nh, Scratch *sc, const int NV, const int G) {
+    const int D = NV * VL;
+    int block_shift = -1;
+    for (int b = 0; b < 31; ++b)
+        if ((1 << b) == p->block_size) block_shift = b;
+    for (int j = 0; j < nh * G; ++j) {
+        sc->mx[j] = -FLT_MAX;
+        sc->sum[j] = 0.0f;
+    }
+    memset(sc->acc, 0, sizeof(float) * (size_t)nh * G * D);
+    for (int s0 = 0; s0 < len; s0 += SPAN) {
+        const int n = len - s0 < SPAN ? len - s0 : SPAN;
+        for (int h = h0; h < h0 + nh; ++h) {
+            const act_t *q = qrow + (int64_t)h * G * D;
+            float *m = sc->mx + (h - h0) * G, *l = sc->sum + (h - h0) * G, *acc = sc->acc + (int64_t)(h - h0) * G * D;
+            for (int g0 = 0; g0 < G; g0 += SCORE_HEADS) {
+                const int gg = G - g0 < SCORE_HEADS ? G - g0 : SCORE_HEADS;
+                float *out = sc->scores + g0 * SPAN;
+                if (gg == 3) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, out, NV, 3);
+                else if (gg == 2) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, out, NV, 2);
+                else span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, out, NV, 1);
+            }
+            for (int g = 0; g < G; ++g) {
+                float *sg = sc->scores + g * SPAN;
+                vf vmax = splat(-FLT_MAX);
+                for (int o0 = 0; o0 < n; o0 += VL) {
+                    const vf sv = load_f32(sg + o0);
+                    vmax = max_lanes(vmax, n - o0 < VL ? select_lanes(mask_lanes_below(n - o0), sv, splat(-FLT_MAX)) : sv);
+                }
+                const float top = hmax(vmax), new_m = top > m[g] ? top : m[g], alpha = exp1(m[g] - new_m);
+                m[g] = new_m;
+                vf lsum = splat(0.0f);
+                for (int o0 = 0; o0 < n; o0 += VL) {
+                    vf e = vexp(load_f32(sg + o0) - new_m);
+                    if (n - o0 < VL) e = select_lanes(mask_lanes_below(n - o0), e, splat(0.0f));
+                    store_f32(sg + o0, e);
+                    lsum += e;
+                }
+                l[g] = l[g] * alpha + hsum(lsum);
+                vf a[MAX_HEAD_DIM / VL];
+#pragma GCC unroll 16
+                for (int c = 0; c < NV; ++c) a[c] = load_f32(acc + g * D + VL * c) * alpha;
+                for (int o = 0; o < n; ++o) {
+                    const kv_t *vrow = cache_row(p->value_cache, iv, p->block_size, block_shift, s0 + o, h, D);
+                    const float w = sg[o];
+#pragma GCC unroll 16
+                    for (int c = 0; c < NV; ++c) a[c] += w * load_kv(vrow + VL * c);
+                }
+#pragma GCC unroll 16
+                for (int c = 0; c < NV; ++c) store_f32(acc + g * D + VL * c, a[c]);
+            }
+        }
+    }
+    for (int j = 0; j < nh * G; ++j) {
+        act_t *o = orow + ((int64_t)h0 * G + j) * D;
+        const float inv = 1.0f / sc->sum[j];
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) store_act(o + VL * c, load_f32(sc->acc + (int64_t)j * D + VL * c) * inv);
+    }
+}
+#endif
+
+#endif
