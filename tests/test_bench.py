@@ -287,6 +287,18 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     assert "| float32 (float16 weights, float16 KV) |" in text and "| 32 sequences batched |" in text
 
 
+def test_gemm_backends_script_compares_the_libraries_the_engine_can_use():
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "bench" / "gemm_backends.py"
+    done = subprocess.run([sys.executable, str(script), "--threads", "1", "--rows", "4", "--passes", "1",
+                           "--dtypes", "float32"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(l for l in done.stdout.splitlines() if l.startswith("float32     4 rows"))
+    assert "onednn" in line and "mkl" in line and "vbatch uses onednn" in line and "(1.00)" in line
+
+
 def test_peers_report_ceilings_are_the_best_measurement():
     # Ceilings before and after the runs: the larger rate counts (interference only lowers one),
     # and a measurement without a bf16 GEMM rate is skipped, not a crash.
