@@ -324,6 +324,22 @@ def test_get_ops_binds_the_tiers_native_kernels(native, dtype):
     assert exact.weight_dtype == exact.kv_cache_dtype == torch.float32  # dtype float32: exact storage
 
 
+def test_this_cpu_runs_its_own_fast_path():
+    # No silent fallback: with a C compiler at hand the engine's ops for this CPU are its best tier's
+    # native kernels (fp32 and, where the tier computes it, bf16), never the references.
+    import shutil
+    from vbatch.kernels.ops import get_ops
+    if not (shutil.which("cc") or shutil.which("gcc")) or cpu_native.os.environ.get("VBATCH_CPU_NATIVE") == "0":
+        pytest.skip("no C compiler here (or VBATCH_CPU_NATIVE=0): the torch paths are this machine's fast path")
+    best = cpu_features.detect().tiers[0]
+    if cpu_native.os.environ.get(cpu_features.TIER_ENV):
+        best = cpu_features.selected_tier()
+    for dtype in (torch.float32, torch.bfloat16) if best.bf16_compute else (torch.float32,):
+        ops = get_ops("cpu", dtype)
+        assert ops.cpu_tier is best and ops.native is not None and ops.native.tier is best, dtype
+        assert ops.decoder_layer is not None and ops.paged_attention.__self__.kernels is ops.native
+
+
 def test_without_the_native_build_the_ops_keep_the_torch_paths(monkeypatch):
     # No C compiler (or VBATCH_CPU_NATIVE=0): load() gives None and get_ops binds the torch paths
     # (oneDNN linears; bf16: the inductor decode attention; fp32: the reference attention).

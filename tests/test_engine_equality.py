@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from vbatch import LLM, SamplingParams
+from vbatch.kernels.cpu_features import detect
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
+LOWER_TIERS = [t.name for t in detect().tiers[1:]]  # the tiers below this CPU's best
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
@@ -87,6 +89,17 @@ def test_greedy_matches_transformers(smollm2_path, prompts, hf_greedy, case):
     _, ours = _run(smollm2_path, prompts, **CASES[case])
     mismatches = [i for i, (a, b) in enumerate(zip(ours, hf_greedy)) if a != b]
     assert not mismatches, f"{case}: prompts {mismatches} differ, e.g. ours {ours[mismatches[0]]} vs hf {hf_greedy[mismatches[0]]}"
+
+
+@pytest.mark.parametrize("tier", LOWER_TIERS)
+def test_greedy_matches_transformers_on_every_lower_cpu_tier(smollm2_path, prompts, hf_greedy, tier, monkeypatch):
+    # The cases above run the CPU's best tier; each lower tier this CPU runs (forced as a user would,
+    # VBATCH_CPU_TIER) must give the same tokens: the portable tier is what ARM machines get.
+    monkeypatch.setenv("VBATCH_CPU_TIER", tier)
+    llm, ours = _run(smollm2_path, prompts, max_num_seqs=20)
+    assert llm.engine.runner.ops.cpu_tier.name == tier and llm.engine.runner.ops.native is not None
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, hf_greedy)) if a != b]
+    assert not mismatches, f"{tier}: prompts {mismatches} differ"
 
 
 def test_greedy_matches_under_preemption(smollm2_path, prompts, hf_greedy):
