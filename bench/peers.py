@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S, help="seconds before a run is killed")
     parser.add_argument("--workdir", default=None, help="keep logs and JSON here (default: a temp folder)")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --workdir: reuse the runs an interrupted invocation finished there (same "
+                             "prompts and spec), run the rest")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_prompts = 64
@@ -268,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     spec["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                     cwd=str(REPO)).stdout.strip()
     spec_path = workdir / "spec.json"
+    if args.resume and spec_path.exists():
+        before = json.loads(spec_path.read_text())
+        changed = sorted(k for k in set(spec) | set(before) if k != "commit" and spec.get(k) != before.get(k))
+        if changed:
+            raise SystemExit(f"--resume: {workdir} holds runs of another spec (differs in {', '.join(changed)})")
+        if before["commit"] != spec["commit"]:
+            spec["commit"] = f"{before['commit']}, resumed at {spec['commit']}"
     spec_path.write_text(json.dumps(spec))
     vllm_python = ensure_vllm_venv() if "vllm" in systems else None
     priority = probe_priority()
@@ -290,12 +300,19 @@ def main(argv: list[str] | None = None) -> int:
             ceilings.append(c)
         shift = rep % len(variants)
         for system, variant in variants[shift:] + variants[:shift]:  # rotate: no system always goes first
-            tag = f"{system}-{variant}-r{rep}"
-            say(f"run {tag} ...")
-            rec = run_one(system, variant, spec, spec_path, workdir, tag, priority, vllm_python)
+            tag = f"{system}-{variant.replace('/', '-')}-r{rep}"  # a file name: "transformers-32-float32-r0"
+            saved = workdir / f"{tag}.record.json"
+            if args.resume and saved.exists():
+                rec = json.loads(saved.read_text())
+                say(f"{tag}: reused from {saved.name} ({rec['result']['throughput']['output_tokens_per_s']:.1f} "
+                    "output tok/s)")
+            else:
+                say(f"run {tag} ...")
+                rec = run_one(system, variant, spec, spec_path, workdir, tag, priority, vllm_python)
             if rec:
                 rec["repeat"] = rep
                 records.append(rec)
+                saved.write_text(json.dumps(rec))
     c = measure_ceilings(priority, args.threads, workdir, "ceilings-end")  # a second look, after the runs
     if c:
         ceilings.append(c)
