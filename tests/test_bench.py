@@ -197,6 +197,52 @@ def _record(system, variant, rep, out_tok_s, decode=None, lat_decode=None):
             "result": {"system": system, "version": "x", "dtype": "bfloat16", "throughput": tput, "latency": lat}}
 
 
+def _peers_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "peers.py"
+    spec = importlib.util.spec_from_file_location("peers_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peers_resume_reuses_the_finished_runs_and_refuses_another_spec(tmp_path, monkeypatch):
+    # A run that dies after two of its four runs; --resume reruns only the other two (their tags file
+    # names, the transformers batch/dtype variant included), and a different spec is refused.
+    peers = _peers_script()
+    spec = {"cpu_kind": "avx2", "digest": "d1", "prompts": [[1, 2]], "gguf": None, "input_len": "2-2"}
+    monkeypatch.setattr(peers, "build_spec", lambda args, workdir: dict(spec))
+    monkeypatch.setattr(peers, "measure_ceilings", lambda *a: None)
+    monkeypatch.setattr(peers, "probe_priority", lambda: [])
+    monkeypatch.setattr(peers, "ensure_vllm_venv", lambda: None)
+    reported, ran = [], []
+
+    def run_one(system, variant, spec_, spec_path, workdir, tag, priority, vllm_python):
+        assert "/" not in tag
+        if len(ran) == 2 and not reported and crash[0]:
+            raise KeyboardInterrupt  # killed mid-run
+        ran.append(tag)
+        return _record(system, variant, 0, 10.0 + len(ran))
+
+    monkeypatch.setattr(peers, "run_one", run_one)
+    monkeypatch.setattr(peers, "write_report", lambda records, *a: reported.append(records) or "")
+    argv = ["--repeats", "1", "--systems", "vbatch,transformers", "--transformers-batch-sizes", "32,64",
+            "--transformers-dtypes", "float32,bfloat16", "--workdir", str(tmp_path), "--no-docs"]
+    crash = [True]
+    with pytest.raises(KeyboardInterrupt):
+        peers.main(argv)
+    assert ran == ["vbatch-256-r0", "transformers-32-float32-r0"]
+    crash[0] = False
+    peers.main(argv + ["--resume"])
+    assert ran[2:] == ["transformers-64-float32-r0", "transformers-32-bfloat16-r0", "transformers-64-bfloat16-r0"]
+    assert [r["result"]["throughput"]["output_tokens_per_s"] for r in reported[0]] == [11.0, 12.0, 13.0, 14.0, 15.0]
+    spec["digest"] = "d2"
+    with pytest.raises(SystemExit, match="differs in digest"):
+        peers.main(argv + ["--resume"])
+
+
 def test_peers_report_medians_ratios_and_fractions(tmp_path):
     report = _peers_report()
     records = [_record("vbatch", "256", r, v, decode=d, lat_decode=90.0)
