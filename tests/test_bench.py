@@ -177,15 +177,20 @@ def test_bench_max_model_len_too_short_is_usage_error():
 
 
 # ---------------------------------------------------------------- bench/peers_report.py (a script beside the package)
-def _peers_report():
+def _bench_script(name: str):
+    """bench/NAME.py, loaded as a module (the scripts are not a package)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "peers_report.py"
-    spec = importlib.util.spec_from_file_location("peers_report", path)
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _peers_report():
+    return _bench_script("peers_report")
 
 
 def _record(system, variant, rep, out_tok_s, decode=None, lat_decode=None):
@@ -197,21 +202,10 @@ def _record(system, variant, rep, out_tok_s, decode=None, lat_decode=None):
             "result": {"system": system, "version": "x", "dtype": "bfloat16", "throughput": tput, "latency": lat}}
 
 
-def _peers_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "bench" / "peers.py"
-    spec = importlib.util.spec_from_file_location("peers_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_peers_resume_reuses_the_finished_runs_and_refuses_another_spec(tmp_path, monkeypatch):
     # A run that dies after two of its four runs; --resume reruns only the other two (their tags file
     # names, the transformers batch/dtype variant included), and a different spec is refused.
-    peers = _peers_script()
+    peers = _bench_script("peers")
     spec = {"cpu_kind": "avx2", "digest": "d1", "prompts": [[1, 2]], "gguf": None, "input_len": "2-2"}
     monkeypatch.setattr(peers, "build_spec", lambda args, workdir: dict(spec))
     monkeypatch.setattr(peers, "measure_ceilings", lambda *a: None)
