@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vbatch.engine.errors import SamplingParamsError
-from vbatch.engine.sampling_params import SamplingParams
+from ..engine.errors import SamplingParamsError
+from ..engine.sampling_params import SamplingParams
 
 Problem = tuple[str, str]
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from vbatch.engine.errors import VBatchError
+from ..engine.errors import VBatchError
 
 from .atomic_file import fsync_dir
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from typing import IO, Any, Literal
 
-from vbatch.engine.errors import InputError
+from ..engine.errors import InputError
 
 from .openai_input import is_openai_line, parse_openai
 from .plain_record import parse_plain

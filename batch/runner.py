@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vbatch.engine.errors import VBatchError
+from ..engine.errors import VBatchError
 
 from .record import BatchRecord, RecordError
 from .reorder import ReorderWindow

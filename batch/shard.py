@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from vbatch.engine.errors import ConfigError
+from ..engine.errors import ConfigError
 
 T = TypeVar("T")
 _SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")

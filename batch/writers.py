@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, BinaryIO, Protocol
 
-from vbatch.engine.errors import ConfigError
+from ..engine.errors import ConfigError
 
 from .atomic_file import AtomicFile, fsync_dir
 from .openai_output import batch_output_line

@@ -114,8 +114,8 @@ def throughput(
     """Build the engine (untimed), then time one generate over --num-prompts random prompts."""
     import torch
 
-    from vbatch import __version__
-    from vbatch.engine.errors import ConfigError
+    from .. import __version__
+    from ..engine.errors import ConfigError
 
     from .bench_dataset import build_prompts, parse_length_range, prompts_digest, special_token_ids
     from .bench_measure import run_latency, run_throughput
@@ -162,10 +162,10 @@ def throughput(
     report["weight_dtype"] = str(ops.weight_dtype or llm.engine.dtype).removeprefix("torch.")
     report["kv_cache_dtype"] = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
     if ops.cpu_tier is not None:  # the CPU path: its tier of native kernels and the flags that chose it
-        from vbatch.kernels.cpu_features import detect
+        from ..kernels.cpu_features import detect
         report["cpu_tier"] = ops.cpu_tier.name if ops.native is not None else f"{ops.cpu_tier.name} (not built)"
         report["cpu_flags"] = detect().deciding_flags
-    from vbatch.kernels.cpu_linear import describe
+    from ..kernels.cpu_linear import describe
     gemm = describe(llm.engine.runner.model)
     if gemm is not None:
         report["cpu_gemm"] = gemm   # the library behind the packed CPU linears

@@ -127,7 +127,7 @@ def measure_gemm_gflops(dtype_name: str, shape: tuple[int, int, int] = DECODE_SH
     import torch
     import torch.nn.functional as F
 
-    from vbatch.kernels import cpu_linear
+    from ..kernels import cpu_linear
 
     dtype = getattr(torch, dtype_name)
     m, k, n = shape

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vbatch.engine.errors import ConfigError
+from ..engine.errors import ConfigError
 
 DATASETS = ("random", "fixed")
 

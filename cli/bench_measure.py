@@ -90,7 +90,7 @@ class LatencyResult:
 
 
 def bench_sampling_params(output_len: int):
-    from vbatch.engine.sampling_params import SamplingParams
+    from ..engine.sampling_params import SamplingParams
 
     return SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import typer
 
-from vbatch.engine.errors import VBatchError
+from ..engine.errors import VBatchError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vbatch import __version__
+from .. import __version__
 
 from . import bench, merge, models, run, validate
 from .errors import EXIT_CODES_HELP, set_debug

@@ -23,8 +23,8 @@ def merge(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
 ) -> None:
     """Merge the parts of a `vbatch run --shard I/N` array into OUT, in input order, atomically."""
-    from vbatch.batch.merge import merge_parts
-    from vbatch.engine.errors import InputError
+    from ..batch.merge import merge_parts
+    from ..engine.errors import InputError
 
     # A shell glob OUT.part-* also lists the parts' .partial and .manifest.json files: they are not parts.
     names = [p for p in outputs if not p.endswith((".partial", ".manifest.json", ".converting", ".tmp"))]

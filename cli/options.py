@@ -90,8 +90,8 @@ def sampling_defaults(**flags: object) -> dict[str, object]:
 
     A bad value is a ConfigError naming the flag (exit 2), not a problem in every record.
     """
-    from vbatch.engine.errors import ConfigError, SamplingParamsError
-    from vbatch.engine.sampling_params import SamplingParams
+    from ..engine.errors import ConfigError, SamplingParamsError
+    from ..engine.sampling_params import SamplingParams
 
     chosen = {k: v for k, v in flags.items() if v is not None and v != []}
     try:

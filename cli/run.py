@@ -23,7 +23,7 @@ MAX_LISTED_ERRORS = 20  # failed records listed under the summary (all of them a
 
 def resolve_chat_template(value: str | None) -> str | None:
     """A `--chat-template` value: the text of a file, or the inline Jinja template itself."""
-    from vbatch.engine.errors import ConfigError
+    from ..engine.errors import ConfigError
 
     if value is None:
         return None
@@ -41,7 +41,7 @@ def engine_kwargs(*, dtype: str, max_model_len: int | None, max_num_seqs: int | 
                   enable_prefix_caching: bool | None, seed: int | None, generation_config: str | None,
                   device: str | None, weight_dtype: str = "auto", kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """vbatch.LLM keyword arguments for the flags the user set (unset flags keep the engine's defaults)."""
-    from vbatch.engine.config import parse_bytes
+    from ..engine.config import parse_bytes
 
     kwargs: dict[str, Any] = {"dtype": dtype, "weight_dtype": None if weight_dtype == "auto" else weight_dtype,
                               "kv_cache_dtype": None if kv_cache_dtype == "auto" else kv_cache_dtype,
@@ -56,8 +56,8 @@ def engine_kwargs(*, dtype: str, max_model_len: int | None, max_num_seqs: int | 
 
 def load_llm(model: str, kwargs: dict[str, Any]) -> Any:
     """SEAM: the one place `vbatch run` builds the engine (tests replace it)."""
-    from vbatch import LLM
-    from vbatch.engine.errors import ModelLoadError
+    from .. import LLM
+    from ..engine.errors import ModelLoadError
 
     try:
         return LLM(model=model, **kwargs)
@@ -83,7 +83,7 @@ def first_pass(reader: Any, shard: Any, *, on_error: str) -> int:
 
     `--on-error fail` stops here with exit 3 when any record is bad.
     """
-    from vbatch.batch.record import RecordError
+    from ..batch.record import RecordError
 
     num_records = num_problems = 0
     for rec in shard.select(reader):
@@ -134,14 +134,14 @@ def run(
     """
     from rich.console import Console
 
-    from vbatch.batch.atomic_file import partial_path
-    from vbatch.batch.manifest import Manifest, write_manifest
-    from vbatch.batch.readers import open_reader
-    from vbatch.batch.resume import OutputPlan, plan_output, remove_output, skip_done
-    from vbatch.batch.runner import run_batch
-    from vbatch.batch.shard import part_path, resolve_shard
-    from vbatch.batch.writers import check_output, open_writer
-    from vbatch.engine.errors import ConfigError
+    from ..batch.atomic_file import partial_path
+    from ..batch.manifest import Manifest, write_manifest
+    from ..batch.readers import open_reader
+    from ..batch.resume import OutputPlan, plan_output, remove_output, skip_done
+    from ..batch.runner import run_batch
+    from ..batch.shard import part_path, resolve_shard
+    from ..batch.writers import check_output, open_writer
+    from ..engine.errors import ConfigError
 
     from .progress import make_progress
     from .signals import StopSignals

@@ -21,8 +21,8 @@ def validate(
     logprobs: o.Logprobs = None, n: o.N = None,
 ) -> None:
     """Check a batch file (JSON, prompt fields, types, sampling ranges, duplicate ids) without the model."""
-    from vbatch.batch.readers import open_reader
-    from vbatch.batch.validation import validate_reader
+    from ..batch.readers import open_reader
+    from ..batch.validation import validate_reader
 
     defaults = o.sampling_defaults(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens, stop=stop,

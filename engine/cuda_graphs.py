@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from vbatch.kernels.attention_metadata import AttentionMetadata
+from ..kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger("vbatch.engine")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vbatch.kernels.attention_metadata import AttentionMetadata
+from ..kernels.attention_metadata import AttentionMetadata
 
 from .models.output_rows import OutputRows
 from .scheduler_output import SchedulerOutput

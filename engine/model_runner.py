@@ -130,7 +130,7 @@ class ModelRunner:
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` tokens over a scratch 1-block-per-16-token cache."""
-        from vbatch.kernels.attention_metadata import AttentionMetadata
+        from ..kernels.attention_metadata import AttentionMetadata
         m = self.model
         nb = math.ceil(num_tokens / self.block_size) + 1
         caches = [tuple(torch.zeros(m.kv_cache_shape(nb, self.block_size), dtype=self.kv_dtype, device=self.device)
@@ -179,7 +179,7 @@ class ModelRunner:
         The CPU bf16 decode attention without a C compiler is compiled by inductor on first use
         (kernels/cpu_attention.py);
         paying it here keeps it out of the first step and makes it measurable (`warmup_seconds`)."""
-        from vbatch.kernels.attention_metadata import AttentionMetadata
+        from ..kernels.attention_metadata import AttentionMetadata
         t0 = time.perf_counter()
         m, bs = self.model, self.block_size
         # Three shapes: the second makes batch and length dims dynamic in the compiled decode
