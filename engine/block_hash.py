@@ -1,10 +1,9 @@
 """Chained prefix-cache block hashes: what makes two KV blocks interchangeable.
 
-Owned by the block manager (engine/block_manager.py), which calls `update_block_hashes`
-before it looks up or registers a request's blocks. The hashes live on the request
-(`request.block_hashes`, one per full block of `request.all_token_ids`), extended
-incrementally as tokens are appended; they never change once computed because tokens
-are only ever appended.
+Used by the block manager (engine/block_manager.py), which keeps each request's hashes (one
+per full block of `request.all_token_ids`) in its own table and calls `update_block_hashes`
+before it looks up or registers the request's blocks. They are extended incrementally as
+tokens are appended and never change once computed, because tokens are only ever appended.
 
 A block's hash covers everything that decides its KV values:
   hash(parent block's hash (or ROOT_HASH), the block's token ids, extra keys)
@@ -60,9 +59,8 @@ def block_extra_keys(request: Request, block_index: int, block_size: int) -> tup
     return tuple(keys)
 
 
-def update_block_hashes(request: Request, block_size: int) -> list[int]:
-    """Extend `request.block_hashes` to cover every full block of its tokens; return it."""
-    hashes = request.block_hashes
+def update_block_hashes(hashes: list[int], request: Request, block_size: int) -> list[int]:
+    """Extend `hashes` (the request's, so far) to cover every full block of its tokens; return it."""
     tokens = request.all_token_ids
     num_full_blocks = len(tokens) // block_size
     for i in range(len(hashes), num_full_blocks):

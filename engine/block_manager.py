@@ -2,7 +2,9 @@
 
 Owned and called by the Scheduler (engine/scheduler.py) only; pure Python, it never
 touches tensors. The model runner sees its decisions as the block ids in each
-ScheduledRequest. Block hashes come from engine/block_hash.py and live on the request.
+ScheduledRequest. Block hashes come from engine/block_hash.py; the manager keeps each
+request's list (kept across preemption, dropped when the request finishes). It reads
+requests and never writes them.
 
 State:
 - `blocks[i]`: every KV block with its `ref_cnt` (requests using it) and `block_hash`
@@ -65,6 +67,7 @@ class BlockManager:
         self._cached: dict[int, KVBlock] = {}
         self._tables: dict[str, list[KVBlock]] = {}
         self._num_registered: dict[str, int] = {}
+        self._hashes: dict[str, list[int]] = {}      # per request: chained hashes of its full blocks
         # Prefix-cache stats, in tokens, counted once per admission of a request that looked up.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -111,7 +114,7 @@ class BlockManager:
         if not self._looks_up(request):
             return (), 0
         assert request.num_computed_tokens == 0 and request.request_id not in self._tables
-        hashes = update_block_hashes(request, self.block_size)
+        hashes = self._block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in hashes[:max_hit_blocks]:
@@ -190,7 +193,7 @@ class BlockManager:
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = update_block_hashes(request, self.block_size)
+        hashes = self._block_hashes(request)
         for i in range(start, num_full):
             block, block_hash = table[i], hashes[i]
             # A duplicate (the hash already maps to another block) stays unregistered: keep the first.
@@ -199,8 +202,20 @@ class BlockManager:
                 self._cached[block_hash] = block
         self._num_registered[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks (tail first); safe to call for a request holding none."""
+    def _block_hashes(self, request: Request) -> list[int]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        return update_block_hashes(hashes, request, self.block_size)
+
+    def block_hashes(self, request_id: str) -> tuple[int, ...]:
+        """The request's block hashes computed so far (tests and debugging)."""
+        return tuple(self._hashes.get(request_id, ()))
+
+    def free(self, request: Request, *, finished: bool = True) -> None:
+        """Release the request's blocks (tail first); safe to call for a request holding none.
+
+        `finished=False` (preemption) keeps its block hashes: its tokens, so its hashes, stay."""
+        if finished:
+            self._hashes.pop(request.request_id, None)
         table = self._tables.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
         for block in reversed(table or ()):
@@ -210,3 +225,28 @@ class BlockManager:
                 self._free_queue[block.block_id] = block
                 if block.block_hash is None:
                     self._free_queue.move_to_end(block.block_id, last=False)
+
+
+class NoKVCache:
+    """The block manager's interface for models without a KV cache (encoder-only pooling models).
+
+    Nothing to allocate, look up or free: every allocation succeeds and no request holds blocks,
+    so the scheduler's budget is the step's token budget and `max_num_seqs` alone."""
+
+    enable_prefix_caching = False
+    num_queried_tokens = 0
+    num_hit_tokens = 0
+    usage = 0.0
+
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[KVBlock, ...], int]:
+        return (), 0
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVBlock] = (), num_new_computed_tokens: int = 0) -> bool:
+        return True
+
+    def get_block_ids(self, request_id: str) -> tuple[int, ...]:
+        return ()
+
+    def free(self, request: Request, *, finished: bool = True) -> None:
+        pass

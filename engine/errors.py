@@ -30,6 +30,17 @@ class SamplingParamsError(ConfigError):
     """A SamplingParams field out of its range (REFERENCE 1.3)."""
 
 
+class PoolingParamsError(ConfigError):
+    """A PoolingParams field out of its range, or not a parameter of the request's task."""
+
+
+class UnsupportedTaskError(ConfigError):
+    """The model cannot do what was asked (generate on an embedding model, embed on a causal LM)."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__("task", message, hint=hint)
+
+
 class InputError(VBatchError, ValueError):
     """A bad input record; carries file, line and field when known."""
 

@@ -1,23 +1,30 @@
-"""LLM: the offline Python API users know from vLLM (`generate`, `chat`, defaults from generation_config).
+"""LLM: the offline Python API users know from vLLM (`generate`, `chat`, `encode`, `embed`, `classify`, `score`).
 
     llm = LLM("smollm2-135m-instruct")
     outs = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(temperature=0, max_tokens=32))
+    emb = LLM("all-minilm-l6-v2").embed(["A man is eating food."])[0].outputs.embedding
 
-A thin layer: it builds an EngineConfig, adds every prompt to the LLMEngine and steps the
-engine until all are done, returning outputs in input order.
+A thin layer: it builds an EngineConfig and runs every prompt through the engine's streaming
+results API (`stream`, also what the batch runner consumes), returning outputs in input order.
+Every prompt is checked before any runs: one bad prompt raises and nothing is left queued.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_bytes
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedTaskError
 from .llm_engine import LLMEngine, PromptInput
 from .models.catalogue import DEFAULT_MODEL
+from .output_stream import EngineRequest
 from .outputs import RequestOutput
+from .pooling_outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingOutput,
+                              PoolingRequestOutput, ScoringRequestOutput)
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 from .tokenizer import apply_chat_template
 
@@ -93,6 +100,84 @@ class LLM:
         ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 
+    # ------------------------------------------------------------------ pooling
+    def encode(self, prompts: PromptInput | Sequence[PromptInput],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
+               ) -> list[PoolingRequestOutput]:
+        """Run a pooling model; `.outputs.data` is the pooler's tensor. The task comes from
+        `pooling_task` or the params (vLLM requires one; embed/classify/score set it for you)."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._pooling_params_list(pooling_params, len(prompts), truncate_prompt_tokens)
+        if pooling_task is None and any(p.task is None for p in params):
+            raise UnsupportedTaskError("LLM.encode needs pooling_task (embed, classify, score, token_embed, ...)",
+                                       hint="or use LLM.embed / LLM.classify / LLM.score")
+        return self._run(prompts, params, pooling_task=pooling_task)
+
+    def embed(self, prompts: PromptInput | Sequence[PromptInput],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (`.outputs.embedding`), pooled as the model folder says, L2-normalised."""
+        outs = self.encode(prompts, pooling_params, pooling_task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: PromptInput | Sequence[PromptInput],
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (`.outputs.probs`), from a classification model."""
+        outs = self.encode(prompts, pooling_params, pooling_task="classify",
+                           truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
+              pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """A score per (data_1[i], data_2[i]) pair; one text on either side pairs with every text on
+        the other. A cross-encoder (one-label classifier) reads each pair together; an embedding
+        model scores the cosine similarity of the two embeddings (vLLM's rules)."""
+        left = [data_1] if isinstance(data_1, str) else list(data_1)
+        right = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(left) == 1 and len(right) > 1:
+            left = left * len(right)
+        if len(right) == 1 and len(left) > 1:
+            right = right * len(left)
+        if len(left) != len(right):
+            raise ConfigError("data_2", f"has {len(right)} texts for {len(left)} in data_1; give one, or as many")
+        info = self.engine.pooling_info
+        if info is not None and "score" in info.supported_tasks:
+            tok = self.engine.tokenizer
+            pairs = []
+            for a, b in zip(left, right):
+                enc = tok(a, b, truncation=truncate_prompt_tokens is not None,
+                          max_length=None if truncate_prompt_tokens in (None, -1) else truncate_prompt_tokens)
+                pair = {"prompt": f"{a} [SEP] {b}", "prompt_token_ids": list(enc["input_ids"])}
+                if "token_type_ids" in enc:
+                    pair["token_type_ids"] = list(enc["token_type_ids"])
+                pairs.append(pair)
+            outs = self.encode(pairs, pooling_params, pooling_task="score")
+            return [ScoringRequestOutput.from_base(o) for o in outs]
+        import torch
+        embs = self.embed(left + right, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens)
+        scored = []
+        for i, (a, b) in enumerate(zip(embs[:len(left)], embs[len(left):])):
+            cos = torch.nn.functional.cosine_similarity(torch.tensor(a.outputs.embedding),
+                                                        torch.tensor(b.outputs.embedding), dim=0)
+            base = PoolingRequestOutput(request_id=str(i), outputs=PoolingOutput(cos),
+                                        prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids)
+            scored.append(ScoringRequestOutput.from_base(base))
+        return scored
+
+    # ------------------------------------------------------------------ streaming
+    def stream(self, requests, *, max_in_flight: int | None = None, admit=None, should_stop=None):
+        """The engine's streaming results API (engine/output_stream.py): EngineRequests in, StreamResults
+        out as they finish. What `vbatch run` / `vbatch embed` and the plugin driver consume."""
+        return self.engine.stream(requests, max_in_flight=max_in_flight, admit=admit, should_stop=should_stop)
+
+    @property
+    def stats(self):
+        """The engine's running counters (engine/llm_engine.EngineStats)."""
+        return self.engine.stats
+
     # ------------------------------------------------------------------ internals
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
@@ -105,20 +190,29 @@ class LLM:
                               "pass one object or one per prompt")
         return params
 
-    def _run(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[RequestOutput]:
-        ids: list[str] = []
-        try:
-            for prompt, sp in zip(prompts, params):
-                rid = str(self._counter)
-                self._counter += 1
-                self.engine.add_request(rid, prompt, sp)
-                ids.append(rid)
-        except Exception:
-            for rid in ids:          # nothing half-queued survives a bad prompt
-                self.engine.abort_request(rid)
-            raise
-        done: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                done[out.request_id] = out
-        return [done[r] for r in ids]
+    def _pooling_params_list(self, pooling_params, n: int, truncate: int | None) -> list[PoolingParams]:
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * n
+        else:
+            params = list(pooling_params)
+            if len(params) != n:
+                raise ConfigError("pooling_params", f"got {len(params)} PoolingParams for {n} prompts; "
+                                  "pass one object or one per prompt")
+        if truncate is not None:
+            params = [p.replace(truncate_prompt_tokens=truncate) for p in params]
+        return params
+
+    def _run(self, prompts: list[PromptInput], params: list, *, pooling_task: str | None = None) -> list:
+        """Every prompt through one engine stream; outputs in input order. All are added before the
+        first step (no in-flight bound), so a bad prompt raises before anything runs."""
+        requests = []
+        for prompt, p in zip(prompts, params):
+            requests.append(EngineRequest(str(self._counter), prompt, p, pooling_task=pooling_task))
+            self._counter += 1
+        done: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        with contextlib.closing(self.engine.stream(requests)) as results:
+            for result in results:
+                if result.error is not None:
+                    raise result.error        # closing the stream aborts everything it queued
+                done[result.request.request_id] = result.output
+        return [done[r.request_id] for r in requests]

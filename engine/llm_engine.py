@@ -1,16 +1,22 @@
 """LLMEngine: the step loop. Owns the scheduler, the model runner and the output processor.
 
-    add_request(...)  ->  tokenise, resolve params, fan n > 1 out into child Requests
+    add_request(...)  ->  tokenise, check params, one Request (pooling) or n child Requests (generation)
     step()            ->  schedule -> execute_model -> update_from_output -> outputs
+    stream(...)       ->  the streaming results API over both (engine/output_stream.py)
 
-Used by `LLM` (generate/chat run it to completion) and by `vbatch run` (which keeps a bounded
-number of requests in flight and calls step() itself).
+Two kinds of model behind one loop: generation models (the decoder runner on the paged KV cache,
+engine/model_runner.py) and encoder-only pooling models (engine/pooling_runner.py, no KV cache);
+the model class decides (`models/registry.py`). Generation requests carry SamplingParams, pooling
+requests PoolingParams; asking a model for the other kind is an UnsupportedTaskError.
+
+Used by `LLM` and, through `stream`, by `vbatch run` / `vbatch embed` and the plugin driver.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,12 +24,18 @@ from transformers import AutoConfig
 
 from .config import EngineConfig
 from .device import resolve_device, resolve_dtype
-from .errors import ConfigError, InputError, ModelLoadError
+from .errors import ConfigError, InputError, ModelLoadError, UnsupportedTaskError
 from .generation_config import load_generation_defaults
 from .model_runner import ModelRunner
+from .models.pooling_config import read_pooler_config
+from .models.registry import get_model_class, is_pooling_model
 from .models.resolve import resolve_model
 from .output_processor import OutputProcessor
+from .output_stream import EngineRequest, StreamResult, stream_outputs
 from .outputs import RequestOutput
+from .pooling_outputs import PoolingRequestOutput
+from .pooling_params import PoolingParams
+from .pooling_runner import PoolingModelRunner
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -60,29 +72,62 @@ class LLMEngine:
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read the model config in {self.model_path}: {e}") from e
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
+        self.is_pooling_model = is_pooling_model(self.hf_config)
         self.generation_defaults = load_generation_defaults(self.model_path, config.model.generation_config)
         config = self._fill_model_limits(config)
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         torch.manual_seed(config.model.seed)
-        self.runner = ModelRunner(config, self.hf_config, self.model_path, self.device, self.dtype)
-        self.runner.load_model()
-        num_blocks = self.runner.initialize_kv_cache()
-        self._check_kv_capacity(num_blocks, config)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.vocab_size = int(self.hf_config.vocab_size)
-        self.eos_token_ids = self._eos_token_ids()
-        self.stats = EngineStats()
+        runner_cls = PoolingModelRunner if self.is_pooling_model else ModelRunner
+        runner = runner_cls(config, self.hf_config, self.model_path, self.device, self.dtype)
+        runner.load_model()
+        self._assemble(config, runner, self.tokenizer, vocab_size=int(self.hf_config.vocab_size),
+                       eos_token_ids=self._eos_token_ids(), model_name=resolved.name)
         self.startup_seconds = time.perf_counter() - t0
-        logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens", self.startup_seconds,
-                    config.model.model, self.device, self.dtype, num_blocks, config.cache.block_size)
+        logger.info("engine ready in %.1fs: %s on %s/%s, %s", self.startup_seconds, config.model.model,
+                    self.device, self.dtype, f"{self.num_kv_blocks} KV blocks of {config.cache.block_size} tokens"
+                    if runner.needs_kv_cache else "pooling model, no KV cache")
+
+    def _assemble(self, config: EngineConfig, runner: Any, tokenizer: Any, *, vocab_size: int,
+                  eos_token_ids: tuple[int, ...], model_name: str) -> None:
+        """Everything around a loaded model runner: its KV cache, the scheduler, the output processor."""
+        self.config, self.runner, self.tokenizer = config, runner, tokenizer
+        self.is_pooling_model = runner.runs_pooling
+        num_blocks = runner.initialize_kv_cache()
+        if runner.needs_kv_cache:
+            self._check_kv_capacity(num_blocks, config)
+        self.num_kv_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, needs_kv_cache=runner.needs_kv_cache)
+        self.pooling_info = runner.model_info(model_name) if runner.runs_pooling else None
+        self.output_processor = OutputProcessor(tokenizer)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.stats = EngineStats()
+
+    @classmethod
+    def with_runner(cls, config: EngineConfig, runner: Any, tokenizer: Any, *, vocab_size: int,
+                    eos_token_ids: tuple[int, ...] = (), model_name: str = "model") -> "LLMEngine":
+        """SEAM: an engine around a runner built elsewhere (`runs_pooling`, `needs_kv_cache`,
+        `initialize_kv_cache()`, `execute_model()`, and `model_info(name)` for pooling). The engine
+        tests drive the request kinds through it with a fake runner; a Ray actor may hand in its own."""
+        engine = cls.__new__(cls)
+        engine.quiet, engine.model_path, engine.hf_config = True, None, None
+        engine.generation_defaults = None
+        engine.device, engine.dtype = torch.device("cpu"), torch.float32
+        engine._assemble(config.validate(), runner, tokenizer, vocab_size=vocab_size,
+                         eos_token_ids=tuple(eos_token_ids), model_name=model_name)
+        engine.startup_seconds = 0.0
+        return engine
 
     # ------------------------------------------------------------------ set-up helpers
     def _fill_model_limits(self, config: EngineConfig) -> EngineConfig:
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
-        max_len = config.model.max_model_len or model_max
+        default = model_max
+        if self.is_pooling_model:   # sentence-transformers folders say what length the model was trained for
+            pooler = read_pooler_config(self.model_path, get_model_class(self.hf_config).default_pooling_type)
+            default = min(model_max, pooler.max_seq_length or model_max)
+        max_len = config.model.max_model_len or default
         if max_len > model_max:
             raise ConfigError("max_model_len", f"{max_len} exceeds the model's max_position_embeddings ({model_max})")
         sched = config.scheduler
@@ -112,9 +157,11 @@ class LLMEngine:
         return self.config.scheduler.max_model_len
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptInput, *, max_length: int | None = None) -> tuple[str | None, list[int]]:
+        """(text, token ids); `max_length` cuts a text's tokens the tokenizer's way (special tokens kept)."""
+        cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, **cut)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -126,19 +173,38 @@ class LLMEngine:
                                      field="prompt_token_ids")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], **cut)
         raise InputError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
                          f"got {type(prompt).__name__}", field="prompt")
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                    *, extra: dict[str, Any] | None = None) -> None:
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
+                    *, extra: dict[str, Any] | None = None, pooling_task: str | None = None) -> None:
+        """Queue one request. Every check runs before anything is registered: a refused request
+        (InputError, SamplingParamsError, PoolingParamsError, UnsupportedTaskError) leaves no trace."""
+        if request_id in self.output_processor:
+            raise InputError(f"request id {request_id!r} is already running", field="request_id")
+        if isinstance(params, PoolingParams):
+            requests = self._pooling_request(request_id, prompt, params, pooling_task)
+            text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        else:
+            requests, text = self._generation_requests(request_id, prompt, params)
+        for r in requests:
+            self.scheduler.check_request(r)
+        self.output_processor.add_request(request_id, text, requests, extra)
+        for r in requests:
+            self.scheduler.add_request(r)
+        self.stats.num_requests += 1
+        self.stats.prompt_tokens += requests[0].num_prompt_tokens
+
+    def _generation_requests(self, request_id: str, prompt: PromptInput,
+                             params: SamplingParams) -> tuple[list[Request], str | None]:
+        if self.is_pooling_model:
+            raise UnsupportedTaskError(f"{self.config.model.model} is a pooling model: it embeds or classifies, "
+                                       "it does not generate", hint="use embed / encode / classify, or a generation model")
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}",
+                             field="params")
         text, ids = self.tokenize(prompt)
-        if not ids:
-            raise InputError("the prompt is empty (0 tokens)", field="prompt")
-        if len(ids) >= self.max_model_len:
-            raise InputError(f"the prompt is {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                             f"(prompt + at least one output token)", field="prompt",
-                             hint="shorten the prompt or raise --max-model-len")
         params = params.resolve(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size, tokenizer=self.tokenizer)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -153,18 +219,46 @@ class LLMEngine:
             children.append(Request(request_id=child_id, prompt_token_ids=ids, sampling_params=child_params,
                                     max_tokens=max_tokens, arrival_time=now, parent_id=request_id, index=i,
                                     cache_salt=salt))
-        self.output_processor.add_request(request_id, text, children, extra)
-        for c in children:
-            self.scheduler.add_request(c)
-        self.stats.num_requests += 1
-        self.stats.prompt_tokens += len(ids)
+        return children, text
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        parent = self.output_processor._parents.get(request_id)
-        if parent is None:
+    def _pooling_request(self, request_id: str, prompt: PromptInput, params: PoolingParams,
+                         pooling_task: str | None) -> list[Request]:
+        if not self.is_pooling_model:
+            raise UnsupportedTaskError(f"{self.config.model.model} is a generation model; pooling (embed, classify, "
+                                       "score) needs a pooling model", hint="e.g. --model all-minilm-l6-v2")
+        task = pooling_task or params.task
+        if task is None:
+            raise UnsupportedTaskError("a pooling request needs a task (embed, classify, score, token_embed, ...)",
+                                       hint="use LLM.embed / classify / score, or encode(..., pooling_task=...)")
+        params = params.verify(task, self.pooling_info)
+        limit = params.truncate_prompt_tokens
+        limit = self.max_model_len if limit == -1 else limit
+        _, ids = self.tokenize(prompt, max_length=limit)
+        inputs: dict[str, Any] = {}
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is not None:
+            if len(types) != len(ids) or not all(t in (0, 1) for t in types):
+                raise InputError("must be 0/1 per token, as many as the prompt's tokens", field="token_type_ids")
+            inputs["token_type_ids"] = list(types)
+        if limit is not None and len(ids) > limit:        # token ids given: keep the last `limit` (vLLM's rule)
+            ids = ids[-limit:]
+            if "token_type_ids" in inputs:
+                inputs["token_type_ids"] = inputs["token_type_ids"][-limit:]
+        return [Request(request_id=request_id, prompt_token_ids=ids, sampling_params=None, max_tokens=0,
+                        parent_id=request_id, pooling_params=params, model_inputs=inputs)]
+
+    def abort_request(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
+        child_ids = self.output_processor.child_ids(request_id)
+        if not child_ids:
             return None
-        self.scheduler.finish_requests([c.request.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
+
+    def stream(self, requests: Iterable[EngineRequest], *, max_in_flight: int | None = None,
+               admit: Callable[[], bool] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Iterator[StreamResult]:
+        """The streaming results API (engine/output_stream.py) on this engine."""
+        return stream_outputs(self, requests, max_in_flight=max_in_flight, admit=admit, should_stop=should_stop)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished > 0
@@ -173,7 +267,7 @@ class LLMEngine:
         return self.output_processor.num_unfinished
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One engine step; returns the requests that finished in it."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()

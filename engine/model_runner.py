@@ -50,6 +50,8 @@ def cpu_thread_count(requested: int | None) -> int:
 
 
 class ModelRunner:
+    needs_kv_cache = True
+    runs_pooling = False
     def __init__(self, config: EngineConfig, hf_config, model_path: Path,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
@@ -67,6 +69,8 @@ class ModelRunner:
         self.ops: Ops | None = None   # chosen once in load_model (kernels/ops.py get_ops)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.model.seed)
+        # Seeded requests' own generators, by request id: runner state, dropped when they finish.
+        self.request_generators: dict[str, torch.Generator] = {}
         self.model = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -216,6 +220,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ per step
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_request_ids:
+            self.request_generators.pop(request_id, None)
         inputs = prepare_inputs(sched, self.block_size, self.device)
         pruned = False
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.attn):
@@ -254,7 +260,8 @@ class ModelRunner:
     def _sample(self, sched: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
                 sampled: list, logprobs: list) -> None:
         reqs = [sched.scheduled[i].request for i in inputs.sample_reqs]
-        meta = SamplingMetadata.build(reqs, vocab_size=self.vocab_size, device=self.device)
+        meta = SamplingMetadata.build(reqs, vocab_size=self.vocab_size, device=self.device,
+                                      generators_by_id=self.request_generators)
         # The sampler may edit its rows in place: a fresh gather, or the logits themselves when they are
         # exactly the sample rows and no prompt logprobs read them afterwards.
         if not inputs.prompt_logprobs and inputs.sample_rows == tuple(range(logits.shape[0])):

@@ -1,7 +1,9 @@
 """Request: one sequence's progress through the engine (the only mutable per-request state).
 
-Owned by the Scheduler (which mutates status, tokens and `num_computed_tokens`); read by
-the block manager (block hashes), the model runner and the sampler. One progress counter,
+Written by the Scheduler only (status, tokens, `num_computed_tokens`, timings); read by the block
+manager, the model runner, the sampler and the output processor, each of which keeps its own
+per-request state in its own tables keyed by request id (block hashes, seeded generators,
+detokenizers), never on the request. One progress counter,
 `num_computed_tokens`, covers prefill, chunked prefill, prefix-cache hits, decode and
 recompute after preemption: the tokens still to compute are `all_token_ids[num_computed_tokens:]`.
 
@@ -9,11 +11,12 @@ A user request with `n > 1` becomes n Requests ("children") sharing one `parent_
 share the prompt's KV blocks through the prefix cache (`cache_salt` keeps them private
 when prefix caching is off).
 
-Hooks for later kinds of work, so they fit without a rewrite:
-- `mm_features`: multimodal items (encoder inputs, placeholder positions, content hashes);
-  their hashes join the block hashes as extra keys.
-- `pooling_params`: a pooling (encode/embed) request runs its prompt once and finishes
-  without sampling.
+Kinds of request: generation (`sampling_params` set) or pooling (`pooling_params` set: the prompt
+runs once, whole, and the request finishes with the pooler's output instead of sampled tokens).
+Inputs beyond token ids travel in `model_inputs` (token_type_ids of a sentence pair; a tile's
+pixel tensor for a model without tokens, whose scheduling cost the model declares as
+`input_cost`, e.g. its patch count). `mm_features`: multimodal items (encoder inputs, placeholder
+positions, content hashes); their hashes join the block hashes as extra keys.
 """
 from __future__ import annotations
 
@@ -67,13 +70,15 @@ class MultiModalFeature:
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams          # already resolve()d by the engine
-    max_tokens: int                          # effective: min(params.max_tokens, max_model_len - prompt)
+    sampling_params: SamplingParams | None   # generation: already resolve()d by the engine; None: pooling
+    max_tokens: int                          # effective: min(params.max_tokens, max_model_len - prompt); pooling: 0
     arrival_time: float = field(default_factory=time.monotonic)
     parent_id: str | None = None             # the user request (n > 1 fans out into children)
     index: int = 0                           # child index within the parent (CompletionOutput.index)
     cache_salt: str | None = None            # None: shares the global prefix cache
-    pooling_params: Any = None               # not None: a one-step pooling request
+    pooling_params: Any = None               # engine/pooling_params.PoolingParams (verified): a pooling request
+    model_inputs: dict[str, Any] = field(default_factory=dict)   # inputs besides token ids, by name
+    input_cost: int | None = None            # tensor-only prompts: scheduling cost in tokens (None: the token count)
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     priority: int = 0
 
@@ -84,8 +89,6 @@ class Request:
     num_cached_tokens: int = -1               # prefix-cache hit on first schedule (-1: not yet)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    block_hashes: list[int] = field(default_factory=list)   # chained hashes of full blocks
-    generator: Any = None                     # torch.Generator when the params carry a seed
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -96,7 +99,7 @@ class Request:
     # ------------------------------------------------------------------ derived counts
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.prompt_token_ids) if self.input_cost is None else self.input_cost
 
     @property
     def num_output_tokens(self) -> int:
@@ -104,7 +107,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) if self.input_cost is None else self.input_cost + len(self.output_token_ids)
 
     @property
     def num_tokens_to_compute(self) -> int:
@@ -120,7 +123,7 @@ class Request:
 
     @property
     def needs_prompt_logprobs(self) -> bool:
-        return self.sampling_params.prompt_logprobs is not None and not self.is_pooling
+        return not self.is_pooling and self.sampling_params.prompt_logprobs is not None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -4,10 +4,11 @@ Built by the model runner each step from the requests that sample this step (`bu
 only by the Sampler. Each optional group is None when no row uses it, so the common cases
 (all greedy, no penalties, no masks) cost nothing in the sampler and almost nothing here.
 
-It owns the lazy creation of per-request generators (`request.generator`): a request whose
-params carry a seed gets `torch.Generator(device).manual_seed(seed)` on its first step, and
-the generator then lives on the request (surviving preemption) so its draws do not depend
-on the batch it lands in.
+Per-request generators live in a dict the caller owns (the model runner's, keyed by request
+id, dropped when the request finishes): a request whose params carry a seed gets
+`torch.Generator(device).manual_seed(seed)` there on its first step, and keeps it across steps
+and preemptions, so its draws do not depend on the batch it lands in. Requests themselves are
+never written here.
 
 NOTE: the Python work here runs per request per step, the hot loop of the engine. Rows that
 use no penalties, bad words, bias or masks cost a few attribute reads; per-token work
@@ -81,8 +82,11 @@ class SamplingMetadata:
         return self.min_p is None
 
     @classmethod
-    def build(cls, requests: Sequence[Request], *, vocab_size: int,
-              device: torch.device) -> "SamplingMetadata":
+    def build(cls, requests: Sequence[Request], *, vocab_size: int, device: torch.device,
+              generators_by_id: dict[str, torch.Generator] | None = None) -> "SamplingMetadata":
+        """`generators_by_id`: the caller's per-request generators (created here on first use);
+        None: fresh ones for this call only (seeded draws then restart every call)."""
+        own = {} if generators_by_id is None else generators_by_id
         num_rows = len(requests)
         temps: list[float] = []
         top_ps: list[float] = []
@@ -108,9 +112,10 @@ class SamplingMetadata:
             else:
                 temps.append(sp.temperature)
                 if sp.seed is not None:
-                    if req.generator is None:
-                        req.generator = torch.Generator(device=device).manual_seed(sp.seed)
-                    generators.append((i, req.generator))
+                    gen = own.get(req.request_id)
+                    if gen is None:
+                        gen = own[req.request_id] = torch.Generator(device=device).manual_seed(sp.seed)
+                    generators.append((i, gen))
             top_ps.append(sp.top_p)
             use_top_p |= sp.top_p < 1.0
             top_ks.append(sp.top_k if 0 < sp.top_k < vocab_size else vocab_size)

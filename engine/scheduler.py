@@ -25,7 +25,13 @@ which is already in the cache), so the runner reads "tokens already in the cache
 request itself while it computes `num_new_tokens` more; update_from_output then advances it.
 
 NOTE (pooling): a pooling request is never chunked (the pooler needs the whole prompt's
-hidden states in one pass); add_request rejects one longer than the step budget.
+hidden states in one pass); check_request rejects one longer than the step budget. Models
+without a KV cache (encoders) get `NoKVCache` in place of the block manager: nothing to
+allocate, so only the token budget and `max_num_seqs` bound a step.
+
+NOTE (prompt length): a generation prompt needs room for at least one output token
+(prompt < max_model_len); a pooling prompt may fill it (prompt <= max_model_len). One rule,
+here: the engine asks `check_request` before it registers a request anywhere.
 Priorities are not used yet: the order is first come, first served.
 """
 from __future__ import annotations
@@ -34,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, NoKVCache
 from .config import CacheConfig, SchedulerConfig
 from .errors import InputError
 from .request import Request, RequestStatus
@@ -42,9 +48,11 @@ from .scheduler_output import ModelRunnerOutput, RequestUpdate, ScheduledRequest
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 *, needs_kv_cache: bool = True) -> None:
         self.config = scheduler_config
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.block_manager = (BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+                              if needs_kv_cache else NoKVCache())
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []              # oldest first: preemption takes the tail
@@ -52,19 +60,27 @@ class Scheduler:
         self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ requests in and out
-    def add_request(self, request: Request) -> None:
+    def check_request(self, request: Request) -> None:
+        """Raise the InputError that add_request would, changing nothing."""
         if request.request_id in self.requests:
             raise InputError(f"request id {request.request_id!r} is already running", field="request_id")
-        if request.num_prompt_tokens == 0:
-            raise InputError("the prompt is empty", field="prompt")
-        if request.num_tokens > self.config.max_model_len:
-            raise InputError(f"the prompt has {request.num_tokens} tokens, more than max_model_len="
-                             f"{self.config.max_model_len}", field="prompt",
+        n, max_len = request.num_prompt_tokens, self.config.max_model_len
+        if n == 0:
+            raise InputError("the prompt is empty (0 tokens)", field="prompt")
+        if request.is_pooling and n > max_len:
+            raise InputError(f"the prompt is {n} tokens; max_model_len is {max_len}", field="prompt",
+                             hint="shorten the input, truncate it (truncate_prompt_tokens) or raise --max-model-len")
+        if not request.is_pooling and n >= max_len:
+            raise InputError(f"the prompt is {n} tokens; max_model_len is {max_len} "
+                             f"(prompt + at least one output token)", field="prompt",
                              hint="shorten the prompt or raise --max-model-len")
-        if request.is_pooling and request.num_tokens > self.config.max_num_batched_tokens:
-            raise InputError(f"the prompt has {request.num_tokens} tokens, more than max_num_batched_tokens="
+        if request.is_pooling and n > self.config.max_num_batched_tokens:
+            raise InputError(f"the prompt is {n} tokens, more than max_num_batched_tokens="
                              f"{self.config.max_num_batched_tokens} (pooling prompts run in one step)",
                              field="prompt", hint="raise --max-num-batched-tokens")
+
+    def add_request(self, request: Request) -> None:
+        self.check_request(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -151,7 +167,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request)
+        self.block_manager.free(request, finished=False)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -215,6 +231,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    pooler_output=_at(runner_output.pooler_outputs, row) if request.is_pooling else None,
                 ))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]

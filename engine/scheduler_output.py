@@ -64,7 +64,7 @@ class ModelRunnerOutput:
     sampled_token_ids: tuple[tuple[int, ...], ...]    # empty tuple: no token this step (partial prefill)
     logprobs: tuple[Logprobs | None, ...] = ()        # per request; for its sampled token(s)
     prompt_logprobs: tuple[Logprobs | None, ...] = () # per request; for the prompt positions of this chunk
-    pooler_outputs: tuple[object | None, ...] = ()    # per request, pooling requests only (later)
+    pooler_outputs: tuple[object | None, ...] = ()    # per request: the pooler's tensor (pooling requests)
     extra: dict = field(default_factory=dict)         # timings and counters for metrics
 
 
@@ -79,6 +79,7 @@ class RequestUpdate:
     finish_reason: str | None = None       # "stop" | "length" | "abort" | "error"; None: still running
     stop_reason: int | str | None = None   # the stop token id that fired (None for EOS)
     num_cached_tokens: int = 0
+    pooler_output: object | None = None   # a pooling request's result (a tensor), with its finish
 
     @property
     def finished(self) -> bool:

@@ -24,9 +24,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .activation_ref import silu_and_mul
+from . import torch_encoder
+from .activation_ref import gelu, silu_and_mul
 from .attention_ref import paged_attention
 from .cache_ref import write_kv_cache
+from .encoder_attention_ref import encoder_attention
+from .layer_norm_ref import add_layer_norm, layer_norm
 from .norm_ref import fused_add_rms_norm, rms_norm
 from .rotary_ref import apply_rotary, build_rope_cache
 
@@ -44,6 +47,12 @@ class Ops:
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
+    # Encoder families (BERT, ViT): LayerNorm, add + LayerNorm (may overwrite its first argument, the
+    # sublayer's fresh output), GELU, and bidirectional attention within each packed sequence.
+    layer_norm: Callable[..., torch.Tensor] = layer_norm
+    add_layer_norm: Callable[..., torch.Tensor] = add_layer_norm
+    gelu: Callable[..., torch.Tensor] = gelu
+    encoder_attention: Callable[..., torch.Tensor] = encoder_attention
     # Called once per nn.Linear after the weights load; may return a faster module with the same
     # forward (CPU bf16: oneDNN-prepacked weights, kernels/cpu_linear.py). Default: keep it.
     pack_linear: Callable[[nn.Module], nn.Module] = lambda linear: linear
@@ -82,6 +91,11 @@ REFERENCE_OPS = Ops(
 )
 
 
+# torch's fused kernels for the encoder ops: every device's fast path (kernels/torch_encoder.py).
+_ENCODER_FAST = dict(layer_norm=torch_encoder.layer_norm, add_layer_norm=torch_encoder.add_layer_norm,
+                     gelu=torch_encoder.gelu, encoder_attention=torch_encoder.encoder_attention)
+
+
 def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtype: torch.dtype | None,
              prefer_half: bool, tier) -> Ops:
     """The CPU ops for a `dtype` model on `tier` (kernels/cpu_features.py; None: the selected one).
@@ -98,7 +112,7 @@ def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtyp
     weight_dtype = weight_dtype or (tier.half_dtype if half else dtype)
     kv_cache_dtype = kv_cache_dtype or (tier.half_dtype if half else dtype)
     ops = dataclasses.replace(REFERENCE_OPS, name=f"cpu-{_short(dtype)}-{tier.name}", cpu_tier=tier,
-                              weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)
+                              weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, **_ENCODER_FAST)
     if dtype == torch.bfloat16 and fast_bf16:
         ops = dataclasses.replace(ops, apply_rotary=cpu_rotary.apply_rotary, prepare_rotary=cpu_rotary.prepare_rotary)
         if native is None:  # no C compiler: inductor's decode attention (compiled at the first steps)
@@ -131,7 +145,7 @@ def get_ops(device: torch.device | str, dtype: torch.dtype | None = None, *,
     device = torch.device(device)  # validates the spelling early: a bad device fails at engine start
     if device.type == "cuda":
         from .triton_ops import cuda_ops  # the only place triton gets imported
-        return cuda_ops(REFERENCE_OPS)
+        return cuda_ops(dataclasses.replace(REFERENCE_OPS, **_ENCODER_FAST))
     if device.type == "cpu" and dtype is not None:
         return _cpu_ops(dtype, weight_dtype, kv_cache_dtype, prefer_half, cpu_tier)
     return REFERENCE_OPS

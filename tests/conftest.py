@@ -29,6 +29,13 @@ def smollm2_path():
     return resolve_model("smollm2-135m-instruct").path
 
 
+@pytest.fixture(scope="session")
+def minilm_path():
+    """all-minilm-l6-v2 (sentence-transformers' folder, from its PyPI package) as an HF folder."""
+    from vbatch.engine.models.resolve import resolve_model
+    return resolve_model("all-minilm-l6-v2").path
+
+
 def _cpu():
     try:
         from vbatch.kernels import cpu_features

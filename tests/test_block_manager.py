@@ -54,22 +54,22 @@ def test_hash_chain_depends_on_parent_tokens_and_keys():
 
 def test_request_hashes_cover_full_blocks_only_and_chain():
     req = make_request("a", list(range(10)))       # 2 full blocks + 2 tokens
-    hashes = update_block_hashes(req, BS)
+    hashes = update_block_hashes([], req, BS)
     assert hashes == [hash_block(None, [0, 1, 2, 3]), hash_block(hash_block(None, [0, 1, 2, 3]), [4, 5, 6, 7])]
     req.append_output_token(10)
     req.append_output_token(11)                     # the third block is now full
-    assert len(update_block_hashes(req, BS)) == 3
-    assert req.block_hashes[2] == hash_block(req.block_hashes[1], [8, 9, 10, 11])
+    assert update_block_hashes(hashes, req, BS) is hashes and len(hashes) == 3
+    assert hashes[2] == hash_block(hashes[1], [8, 9, 10, 11])
 
 
 def test_salt_joins_first_block_and_mm_identifiers_join_overlapping_blocks():
-    plain = update_block_hashes(make_request("a", list(range(12))), BS)
-    salted = update_block_hashes(make_request("b", list(range(12)), salt="s"), BS)
+    plain = update_block_hashes([], make_request("a", list(range(12))), BS)
+    salted = update_block_hashes([], make_request("b", list(range(12)), salt="s"), BS)
     assert all(p != s for p, s in zip(plain, salted))          # the chain carries the salt on
     img = MultiModalFeature("image", "img-1", offset=5, length=2)   # tokens 5, 6: block 1 only
     other = MultiModalFeature("image", "img-2", offset=5, length=2)
-    h1 = update_block_hashes(make_request("c", list(range(12)), mm=[img]), BS)
-    h2 = update_block_hashes(make_request("d", list(range(12)), mm=[other]), BS)
+    h1 = update_block_hashes([], make_request("c", list(range(12)), mm=[img]), BS)
+    h2 = update_block_hashes([], make_request("d", list(range(12)), mm=[other]), BS)
     assert h1[0] == plain[0] == h2[0]
     assert h1[1] != plain[1] and h1[1] != h2[1]
 

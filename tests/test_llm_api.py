@@ -146,3 +146,18 @@ def test_generation_config_folder_sets_defaults(smollm2_path, tmp_path):
     vllm_mode = LLM(str(smollm2_path), dtype="float32", device="cpu", quiet=True, max_model_len=256,
                     generation_config="vllm")
     assert vllm_mode.get_default_sampling_params() == SamplingParams()
+
+
+def test_pooling_on_a_generation_model_is_a_clear_error(llm):
+    from vbatch.engine.errors import UnsupportedTaskError
+    with pytest.raises(UnsupportedTaskError, match="is a generation model; pooling"):
+        llm.embed("hello")
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_bad_prompt_anywhere_in_the_list_runs_nothing(llm):
+    from vbatch.engine.errors import InputError
+    before = llm.engine.stats.num_steps
+    with pytest.raises(InputError):
+        llm.generate(["fine", {"prompt_token_ids": []}, "also fine"], SamplingParams(max_tokens=2))
+    assert llm.engine.stats.num_steps == before and not llm.engine.has_unfinished_requests()

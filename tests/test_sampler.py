@@ -336,10 +336,11 @@ def run_steps(groups: list[list[Request]], num_steps: int, default_seed: int = 9
     """Run num_steps; each step samples `groups[step % len(groups)]` (different batches each step)."""
     sampler = Sampler()
     default = torch.Generator().manual_seed(default_seed)
+    table: dict = {}   # the runner's per-request generators, for this run
     for step in range(num_steps):
         batch = groups[step % len(groups)]
         logits = torch.stack([next_logits(r) for r in batch])
-        meta = SamplingMetadata.build(batch, vocab_size=VOCAB, device=CPU)
+        meta = SamplingMetadata.build(batch, vocab_size=VOCAB, device=CPU, generators_by_id=table)
         for r, t in zip(batch, sampler(logits, meta, default).sampled_token_ids.tolist()):
             r.append_output_token(t)
 
@@ -374,15 +375,16 @@ def test_different_seeds_give_different_tokens():
     assert len(set(outs)) == 3
 
 
-def test_generator_is_created_once_and_kept_on_the_request():
-    req = seeded("g", 5)
-    assert req.generator is None
-    build([req], VOCAB)
-    gen = req.generator
+def test_generator_is_created_once_in_the_callers_table_and_kept():
+    req, table = seeded("g", 5), {}
+    SamplingMetadata.build([req], vocab_size=VOCAB, device=CPU, generators_by_id=table)
+    gen = table["g"]
     assert isinstance(gen, torch.Generator)
-    build([req], VOCAB)
-    assert req.generator is gen
-    assert make_request(vocab=VOCAB, seed=5, temperature=0.0).generator is None
+    SamplingMetadata.build([req], vocab_size=VOCAB, device=CPU, generators_by_id=table)
+    assert table["g"] is gen and list(table) == ["g"]
+    SamplingMetadata.build([make_request("z", vocab=VOCAB, seed=5, temperature=0.0)], vocab_size=VOCAB,
+                           device=CPU, generators_by_id=table)
+    assert "z" not in table          # a greedy row draws nothing, so it gets no generator
 
 
 def test_mixed_batch_rows_equal_rows_sampled_alone():
@@ -487,10 +489,11 @@ def test_native_rows_that_need_more_than_a_temperature_take_the_torch_path(nativ
 def test_native_seeded_plain_row_is_batch_invariant_next_to_rows_of_the_torch_path(native, logits_dtype):
     def run(groups, steps, default_seed=99):
         sampler, default = Sampler(native=native), torch.Generator().manual_seed(default_seed)
+        table = {}
         for step in range(steps):
             batch = groups[step % len(groups)]
             logits = torch.stack([next_logits(r) for r in batch]).to(logits_dtype)
-            meta = SamplingMetadata.build(batch, vocab_size=VOCAB, device=CPU)
+            meta = SamplingMetadata.build(batch, vocab_size=VOCAB, device=CPU, generators_by_id=table)
             for r, t in zip(batch, sampler(logits, meta, default).sampled_token_ids.tolist()):
                 r.append_output_token(t)
     alone = make_request("alone", prompt=[1], vocab=VOCAB, seed=1234)

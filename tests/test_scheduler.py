@@ -196,7 +196,7 @@ def test_cached_blocks_are_evicted_when_the_pool_needs_them():
     prompt = list(range(10, 19))                         # 9 tokens: 3 blocks
     sched.add_request(make_request("a", prompt, max_tokens=1))
     step(sched)
-    sched.add_request(make_request("big", [500 + i for i in range(12)], max_tokens=1))
+    sched.add_request(make_request("big", [500 + i for i in range(11)], max_tokens=1))   # 11 tokens: 3 blocks
     step(sched)                                          # takes all 3 blocks: a's are evicted
     b = make_request("b", prompt, max_tokens=1)
     sched.add_request(b)

@@ -25,6 +25,7 @@ from ...kernels.ops import Ops, build_rope_cache, get_ops
 from ...kernels.rotary_ref import SUPPORTED_ROPE_TYPES, rope_type_of
 from ..errors import ModelLoadError, UnsupportedModelError
 from .output_rows import OutputRows
+from .weights import fill_slots
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, Hk, D]
 
@@ -276,30 +277,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (cast to the model dtype); every expected one must arrive exactly once."""
-        slots = self._weight_slots()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # a derived buffer some checkpoints carry; ours is rebuilt from the config
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the head is the embedding (some exports store the alias anyway)
-            if name not in slots:
-                unexpected.append(name)
-                continue
-            target, start, end = slots[name]
-            want = (end - start, *target.shape[1:])
-            if tuple(tensor.shape) != want:
-                raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
-            target[start:end].copy_(tensor.to(device=target.device, dtype=target.dtype))
-            loaded.add(name)
-        if unexpected:
-            raise ModelLoadError(f"unexpected tensors in the checkpoint: {', '.join(sorted(unexpected)[:10])}"
-                                 + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
-        missing = sorted(set(slots) - loaded)
-        if missing:
-            raise ModelLoadError(f"tensors missing from the checkpoint: {', '.join(missing[:10])}"
-                                 + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+        def ignore(name: str) -> bool:
+            # rotary_emb.inv_freq: a derived buffer some checkpoints carry (ours is rebuilt from the config);
+            # lm_head.weight on a tied model: the head is the embedding (some exports store the alias anyway).
+            return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None)
+        fill_slots(weights, self._weight_slots(), ignore)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -1,25 +1,32 @@
 """Architecture registry: which vbatch model class serves a Hugging Face config.
 
-Called by the model runner at start-up (`get_model_class(hf_config)`). Keyed by the config's
-`architectures[0]`; configs without `architectures` (built in code) fall back to `model_type`.
+Called by the engine and the model runners at start-up (`get_model_class(hf_config)`). Keyed by the
+config's `architectures[0]`; configs without `architectures` (built in code) fall back to `model_type`.
+Each class says what it is: `needs_kv_cache = False` marks an encoder-only pooling model (run by
+engine/pooling_runner.py); every other class generates on the paged KV cache (engine/model_runner.py).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from ..errors import UnsupportedModelError
+from .bert import BertForSequenceClassification, BertModel
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 SUPPORTED_ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "BertModel": BertModel,
+    "BertForMaskedLM": BertModel,           # the encoder of a pre-training export, for embeddings
+    "BertForSequenceClassification": BertForSequenceClassification,
 }
 
 _BY_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "bert": "BertModel",
 }
 
 
@@ -33,4 +40,9 @@ def get_model_class(config: Any) -> type:
     found = f"architectures={architectures}" if architectures else f"model_type={model_type!r}"
     raise UnsupportedModelError(
         f"unsupported model ({found}); supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
-        hint="use a Llama, Qwen2 or Mistral checkpoint")
+        hint="use a Llama, Qwen2 or Mistral checkpoint to generate, a BERT one to embed or classify")
+
+
+def is_pooling_model(config: Any) -> bool:
+    """True for encoder-only pooling models (no KV cache, no generation)."""
+    return not getattr(get_model_class(config), "needs_kv_cache", True)

@@ -52,3 +52,34 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in state.items():
                 if isinstance(tensor, torch.Tensor):
                     yield name, tensor
+
+
+# HF name -> (our tensor, first row, end row): the row slice of our (possibly fused) tensor it fills.
+WeightSlots = dict[str, tuple[torch.Tensor, int, int]]
+
+
+def fill_slots(weights: Iterator[tuple[str, torch.Tensor]] | list, slots: WeightSlots,
+               ignore=lambda name: False) -> None:
+    """Copy named tensors into their slots (cast to the slot's dtype), strictly: every slot must be
+    filled exactly once, and a tensor with no slot (unless `ignore(name)`) is an error naming it.
+    Shared by every model family's `load_weights`."""
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name not in slots:
+            if not ignore(name):
+                unexpected.append(name)
+            continue
+        target, start, end = slots[name]
+        want = (end - start, *target.shape[1:])
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
+        target[start:end].copy_(tensor.to(device=target.device, dtype=target.dtype))
+        loaded.add(name)
+    if unexpected:
+        raise ModelLoadError(f"unexpected tensors in the checkpoint: {', '.join(sorted(unexpected)[:10])}"
+                             + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        raise ModelLoadError(f"tensors missing from the checkpoint: {', '.join(missing[:10])}"
+                             + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))

@@ -1,0 +1,104 @@
+"""PoolingModelRunner: runs encoder-only pooling models (BERT embeddings and classifiers); no KV cache.
+
+The ModelRunner of models whose class says `needs_kv_cache = False`, chosen by the engine at start
+(engine/runners.py). Same contract as the decoder runner: `load_model()`, `initialize_kv_cache()`
+(allocates nothing, returns 0 blocks, so the scheduler uses NoKVCache), then
+`execute_model(SchedulerOutput) -> ModelRunnerOutput` each step, whose `pooler_outputs` hold one
+result tensor per scheduled request. Each request runs whole in one step (pooling is never chunked).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..kernels.ops import Ops, get_ops
+from .compile_times import CompileTimes
+from .config import EngineConfig
+from .encoder_inputs import prepare_encoder_batch
+from .model_runner import cpu_thread_count
+from .models.pooling_config import PoolerConfig, read_pooler_config
+from .models.registry import get_model_class
+from .models.weights import iter_weights
+from .pooler import Pooler
+from .pooling_params import PoolingModelInfo
+from .scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("vbatch.engine")
+
+
+class PoolingModelRunner:
+    needs_kv_cache = False
+    runs_pooling = True
+
+    def __init__(self, config: EngineConfig, hf_config, model_path: Path,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.model_path = model_path
+        self.device = device
+        self.dtype = dtype
+        self.ops: Ops | None = None
+        self.model = None
+        self.pooler: Pooler | None = None
+        self.pooler_config: PoolerConfig | None = None
+        self.num_blocks = 0
+        self.kv_caches: list = []
+        self.cuda_graphs = None
+        self.load_seconds = 0.0
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_thread_count(config.model.num_threads))
+
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        cls = get_model_class(self.hf_config)
+        # Encoders are compute-bound (every token of every prompt through every GEMM): weights stay
+        # in the model's dtype, where the prepacked GEMMs are fastest.
+        self.ops = get_ops(self.device, self.dtype)
+        with torch.device(self.device):
+            model = cls(self.hf_config, dtype=self.dtype, device=self.device, ops=self.ops)
+        model.load_weights(iter_weights(self.model_path))
+        model.finalize_weights()
+        self.model = model.eval()
+        self.pooler_config = read_pooler_config(self.model_path, cls.default_pooling_type)
+        self.pooler = Pooler(self.pooler_config, classify=getattr(model, "classify", None))
+        logger.info("ops %s; pooling %s (%s)", self.ops.name, self.pooler_config.pooling_type, self.pooler_config.source)
+        self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the model takes: its position table, or what it was trained with."""
+        limit = self.model.max_positions
+        if self.pooler_config is not None and self.pooler_config.max_seq_length:
+            limit = min(limit, self.pooler_config.max_seq_length)
+        return limit
+
+    def model_info(self, name: str) -> PoolingModelInfo:
+        cfg = self.hf_config
+        dims = getattr(cfg, "matryoshka_dimensions", None)
+        return PoolingModelInfo(name=name, supported_tasks=tuple(self.model.supported_tasks()),
+                                hidden_size=self.model.hidden_size,
+                                matryoshka_dimensions=tuple(dims) if dims else None,
+                                is_matryoshka=bool(getattr(cfg, "is_matryoshka", False) or dims))
+
+    def initialize_kv_cache(self) -> int:
+        return 0  # an encoder keeps nothing between steps
+
+    def compile_times(self) -> CompileTimes:
+        native = None if self.ops is None else self.ops.native
+        return CompileTimes(native_kernels_s=None if native is None else native.build_seconds,
+                            native_kernels_compiled=None if native is None else native.compiled_now,
+                            torch_compile_s=None, cuda_graphs_s=None)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        batch = prepare_encoder_batch(sched, self.device)
+        hidden = self.model(batch)                                                       # [T, H]
+        params = [s.request.pooling_params for s in sched.scheduled]
+        results = self.pooler(hidden, batch.seq_lens, params)
+        return ModelRunnerOutput(
+            req_ids=tuple(s.request.request_id for s in sched.scheduled),
+            sampled_token_ids=tuple(() for _ in sched.scheduled),
+            pooler_outputs=tuple(results))
