@@ -31,6 +31,7 @@ class BatchRecord:
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    pooling_overrides: dict[str, Any] = field(default_factory=dict)   # embed records: PoolingParams fields
     openai: OpenAIMeta | None = None
 
     def engine_prompt(self) -> dict[str, Any]:

@@ -1,23 +1,18 @@
 """run_batch: stream records through the engine, a bounded number in flight, outputs in input order.
 
-Data flow: reader -> (sampling params, chat template) -> `llm.engine.add_request` ->
-`llm.engine.step()` until requests finish -> ReorderWindow -> writer. Called by `vbatch run`.
+Data flow: reader -> job (record -> prompt, params) -> `llm.stream` (the engine's streaming results
+API, engine/output_stream.py) -> ReorderWindow -> writer. Called by `vbatch run` (GenerateJob) and
+`vbatch embed` (EmbedJob): one loop for every kind of batch job.
 
-Engine interface relied on (vbatch.LLM): `get_default_sampling_params()`,
-`preprocess_chat(messages, chat_template=..., add_generation_prompt=True)`, and on `llm.engine`:
-`add_request(request_id, prompt_dict, params)`, `has_unfinished_requests()`, `step()` (the
-requests that finished this step), `stats` (counters dict).
+The stream adds requests while fewer than `max_in_flight` are in the engine and fewer than
+`max_pending` are admitted but unwritten (the reorder window's bound). Bad records (RecordErrors)
+travel through the stream as pass-through items, so they keep their place and their bound; a
+request the job or the engine refuses becomes an error result; neither ever stops the run.
+Each finished result goes into the window, and whatever the window can release is written.
 
-Steps of the loop:
-1. Admit records while fewer than `max_in_flight` are in the engine and fewer than
-   `max_pending` are admitted but unwritten (the reorder window's bound). Bad records and
-   requests the engine refuses become error results at once; they never stop the run.
-2. Write every result the reorder window can release (input order).
-3. Run one engine step; each finished RequestOutput goes into the window.
-
-`should_stop` (polled once per loop, e.g. a SIGTERM flag) ends the run early: admitting stops,
-what the window can release is written, requests still in the engine are dropped (a resumed run
-does them again) and the summary says `interrupted`.
+`should_stop` (polled before every engine step, e.g. a SIGTERM flag) ends the run early: what
+the window can release is written, requests still in the engine are dropped by the stream (a
+resumed run does them again) and the summary says `interrupted`.
 """
 from __future__ import annotations
 
@@ -25,11 +20,13 @@ import contextlib
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..engine.errors import VBatchError
+from ..engine.output_stream import EngineRequest, StreamResult
 
+from .jobs import BatchJob, BatchLLM, GenerateJob
 from .record import BatchRecord, RecordError
 from .reorder import ReorderWindow
 from .result import BatchResult
@@ -37,29 +34,12 @@ from .summary import RunSummary
 from .writers import Writer
 
 ResultHook = Callable[[BatchResult], None]
+_STAT_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
 
-def _params_for(base: Any, defaults: dict[str, Any], record: BatchRecord) -> Any:
-    # Precedence: record > command line > model generation_config (already in `base`).
-    return base.replace(**{**defaults, **record.sampling_overrides})
-
-
-def _prompt_for(llm: Any, record: BatchRecord, chat_template: str | None) -> dict[str, Any]:
-    if record.kind == "messages":
-        # preprocess_chat gives {"prompt", "prompt_token_ids"} (ids without a second BOS) or the text.
-        chat = llm.preprocess_chat(list(record.messages or []), chat_template=chat_template,
-                                   add_generation_prompt=True, continue_final_message=False)
-        return dict(chat) if isinstance(chat, dict) else {"prompt": chat}
-    return record.engine_prompt()
-
-
-def _stat_counters(llm: Any) -> dict[str, float]:
-    """The engine's numeric counters, from a stats dict or dataclass (missing ones read as 0)."""
-    stats = getattr(llm.engine, "stats", None)
-    if stats is None:
-        return {}
-    items = stats.items() if isinstance(stats, dict) else vars(stats).items()
-    return {k: v for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)}
+def _counters(llm: BatchLLM) -> dict[str, float]:
+    stats = llm.stats
+    return {k: getattr(stats, k) for k in _STAT_FIELDS}
 
 
 def _peak_device_bytes() -> int | None:
@@ -70,26 +50,37 @@ def _peak_device_bytes() -> int | None:
     return int(torch.cuda.max_memory_allocated())
 
 
-def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm: Any,
+def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm: BatchLLM,
               defaults: dict[str, Any] | None = None, *, max_in_flight: int = 512,
               max_pending: int | None = None, chat_template: str | None = None,
               on_result: ResultHook | None = None,
-              should_stop: Callable[[], bool] | None = None, first_seq: int = 0) -> RunSummary:
+              should_stop: Callable[[], bool] | None = None, first_seq: int = 0,
+              job: BatchJob | None = None) -> RunSummary:
+    """`job` turns a record into a request (default: GenerateJob(llm, defaults, chat_template))."""
     assert max_in_flight >= 1
     max_pending = max(max_pending or 4 * max_in_flight, max_in_flight)
-    defaults = dict(defaults or {})
-    engine = llm.engine
-    base = llm.get_default_sampling_params()
-    stats_before = _stat_counters(llm)
+    job = job or GenerateJob(llm, defaults, chat_template)
+    stats_before = _counters(llm)
     start = time.perf_counter()
 
     # A resumed run continues the numbering, so request ids match an uninterrupted run's.
     window: ReorderWindow[BatchResult] = ReorderWindow(first_seq)
-    in_engine: dict[str, tuple[int, BatchRecord]] = {}
-    source = iter(records)
-    is_exhausted = False
-    next_seq = first_seq
     counts = {"requests": 0, "ok": 0, "errors": 0, "prompt": 0, "generated": 0, "cached": 0}
+    num_admitted = 0
+
+    def requests() -> Iterator[EngineRequest]:
+        nonlocal num_admitted
+        for seq, rec in enumerate(records, start=first_seq):
+            num_admitted += 1
+            if isinstance(rec, RecordError):
+                yield EngineRequest(str(seq), None, None, context=(seq, rec), passthrough=True)
+                continue
+            try:
+                prompt, params, task = job.request_for(rec)
+            except VBatchError as e:
+                yield EngineRequest(str(seq), None, None, context=(seq, rec, e), passthrough=True)
+                continue
+            yield EngineRequest(str(seq), prompt, params, pooling_task=task, context=(seq, rec))
 
     def emit(result: BatchResult) -> None:
         writer.write(result)
@@ -98,69 +89,49 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
         out = result.output
         if out is not None:
             counts["prompt"] += len(out.prompt_token_ids or [])
-            counts["generated"] += sum(len(c.token_ids) for c in out.outputs)
+            counts["generated"] += sum(len(c.token_ids) for c in out.outputs) if isinstance(out.outputs, list) else 0
             counts["cached"] += int(out.num_cached_tokens or 0)
         if on_result is not None:
             on_result(result)
 
-    is_interrupted = False
-    try:
-        while True:
-            if should_stop is not None and should_stop():
-                is_interrupted = True
-                for result in window.pop_ready():
-                    emit(result)
-                break
-            # 1. admit
-            while (not is_exhausted and len(in_engine) < max_in_flight
-                   and len(in_engine) + window.num_held < max_pending):
-                try:
-                    rec = next(source)
-                except StopIteration:
-                    is_exhausted = True
-                    break
-                seq, next_seq = next_seq, next_seq + 1
-                if isinstance(rec, RecordError):
-                    window.put(seq, BatchResult(seq, input_error=rec))
-                    continue
-                request_id = str(seq)
-                try:
-                    params = _params_for(base, defaults, rec)
-                    engine.add_request(request_id, _prompt_for(llm, rec, chat_template), params)
-                except VBatchError as e:
-                    window.put(seq, BatchResult(seq, record=rec, error=str(e)))
-                    continue
-                in_engine[request_id] = (seq, rec)
-            # 2. write what is ready, in order
+    def to_result(item: StreamResult) -> BatchResult:
+        seq, rec, *refusal = item.request.context
+        if isinstance(rec, RecordError):
+            return BatchResult(seq, input_error=rec)
+        error = refusal[0] if refusal else item.error
+        if error is not None:
+            return BatchResult(seq, record=rec, error=str(error))
+        return BatchResult(seq, record=rec, output=item.output)
+
+    stopped = [False]
+
+    def stop_now() -> bool:
+        stopped[0] = stopped[0] or (should_stop is not None and should_stop())
+        return stopped[0]
+
+    stream = llm.stream(requests(), max_in_flight=max_in_flight,
+                        admit=lambda: num_admitted - counts["requests"] < max_pending, should_stop=stop_now)
+    with contextlib.closing(stream):
+        for item in stream:
+            result = to_result(item)
+            window.put(result.seq, result)
             for result in window.pop_ready():
                 emit(result)
-            if not in_engine:
-                if is_exhausted:
-                    break
-                continue
-            # 3. one engine step
-            finished = engine.step()
-            for out in finished:
-                seq, rec = in_engine.pop(out.request_id)
-                window.put(seq, BatchResult(seq, record=rec, output=out))
-            assert finished or engine.has_unfinished_requests(), "engine lost requests it was given"
-    finally:
-        # A stopped or failed run leaves nothing in the engine: a reused LLM starts clean.
-        abort = getattr(engine, "abort_request", None)
-        if abort is not None:
-            for request_id in list(in_engine):
-                with contextlib.suppress(Exception):  # never hide the error that ended the run
-                    abort(request_id)
+            if stop_now():
+                break
+    is_interrupted = stopped[0]
+    for result in window.pop_ready():
+        emit(result)
     assert is_interrupted or window.num_held == 0
-    stats = _stat_counters(llm)
-    delta = {k: stats.get(k, 0) - stats_before.get(k, 0) for k in stats}
-    queries = delta.get("prefix_cache_queries", 0)
+    stats = _counters(llm)
+    delta = {k: stats[k] - stats_before[k] for k in stats}
+    queries = delta["prefix_cache_queries"]
     return RunSummary(
         num_requests=counts["requests"], num_ok=counts["ok"], num_errors=counts["errors"],
         prompt_tokens=counts["prompt"], generated_tokens=counts["generated"],
         cached_prompt_tokens=counts["cached"], wall_time_s=time.perf_counter() - start,
-        prefix_cache_hit_rate=(delta.get("prefix_cache_hits", 0) / queries) if queries else None,
-        num_preemptions=int(delta.get("num_preemptions", 0)),
+        prefix_cache_hit_rate=(delta["prefix_cache_hits"] / queries) if queries else None,
+        num_preemptions=int(delta["num_preemptions"]),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         peak_device_bytes=_peak_device_bytes(), interrupted=is_interrupted,
     )

@@ -1,9 +1,11 @@
 """run_batch ordering, bounding and error records, against a test double of the engine interface.
 
-FakeLLM below is a TEST DOUBLE of the `vbatch.LLM` interface the runner relies on
-(get_default_sampling_params, preprocess_chat, engine.add_request/step/has_unfinished_requests/stats).
-It generates nothing real: a request "finishes" after `max_tokens` steps, which lets the tests
-choose the order in which requests finish. Generation itself is tested with the real model elsewhere.
+FakeLLM below is a TEST DOUBLE of `batch/jobs.BatchLLM`, the interface the runner relies on
+(get_default_sampling_params, preprocess_chat, stream, stats). Its `stream` is the real streaming
+results API (engine/output_stream.stream_outputs) over FakeEngine, a double of the engine's step
+primitives (add_request/step/abort_request/has_unfinished_requests) that generates nothing real: a
+request "finishes" after `max_tokens` steps, which lets the tests choose the order in which requests
+finish. Generation itself is tested with the real model elsewhere.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from vbatch.batch.reorder import ReorderWindow
 from vbatch.batch.record import BatchRecord, RecordError
 from vbatch.batch.runner import run_batch
 from vbatch.engine.errors import InputError
+from vbatch.engine.llm_engine import EngineStats
+from vbatch.engine.output_stream import stream_outputs
 from vbatch.engine.outputs import CompletionOutput, RequestOutput
 from vbatch.engine.sampling_params import SamplingParams
 
@@ -20,23 +24,27 @@ class FakeEngine:
         self.running = {}      # request_id -> [steps left, prompt, params]
         self.added = []        # (request_id, prompt, params) in add order
         self.max_running = 0
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0,
-                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self.stats = EngineStats()
         self.on_add = None
+        self.aborted = []
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, *, pooling_task=None):
         if prompt.get("prompt") == "too long":
             raise InputError("the prompt is 9999 tokens; max_model_len is 2048", field="prompt")
         self.added.append((request_id, prompt, params))
         self.running[request_id] = [params.max_tokens, prompt, params]
         self.max_running = max(self.max_running, len(self.running))
-        self.stats["prefix_cache_queries"] += 4
-        self.stats["prefix_cache_hits"] += 1
+        self.stats.prefix_cache_queries += 4
+        self.stats.prefix_cache_hits += 1
         if self.on_add:
             self.on_add()
 
     def has_unfinished_requests(self):
         return bool(self.running)
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        self.running.pop(request_id, None)
 
     def step(self):
         done = []
@@ -51,7 +59,7 @@ class FakeEngine:
                     outputs=[CompletionOutput(index=0, text="x" * params.max_tokens, token_ids=[7] * params.max_tokens,
                                               cumulative_logprob=None, logprobs=None, finish_reason="length")],
                     finished=True, num_cached_tokens=1))
-        self.stats["num_preemptions"] += 1 if done else 0
+        self.stats.num_preemptions += 1 if done else 0
         return done
 
 
@@ -68,6 +76,14 @@ class FakeLLM:
                         continue_final_message=False):
         text = (chat_template or "") + "|".join(m["content"] for m in messages)
         return {"prompt": text, "prompt_token_ids": [3] * len(messages)}
+
+    def stream(self, requests, *, max_in_flight=None, admit=None, should_stop=None):
+        return stream_outputs(self.engine, requests, max_in_flight=max_in_flight, admit=admit,
+                              should_stop=should_stop)
+
+    @property
+    def stats(self):
+        return self.engine.stats
 
 
 class ListWriter:
@@ -156,3 +172,17 @@ def test_sampling_precedence_record_over_command_line_over_model():
 def test_empty_input():
     summary = run_batch([], ListWriter(), FakeLLM(), {}, max_in_flight=2)
     assert summary.num_requests == 0 and summary.prefix_cache_hit_rate is None
+
+
+def test_a_stop_request_drops_what_is_in_flight_and_writes_what_is_ready():
+    llm, writer = FakeLLM(), ListWriter()
+    polls = []
+
+    def should_stop():
+        polls.append(1)
+        return len(polls) > 3
+    summary = run_batch([rec(0, 1), rec(1, 50), rec(2, 1), rec(3, 50)], writer, llm, {}, max_in_flight=4,
+                        should_stop=should_stop)
+    assert summary.interrupted
+    assert [r.id for r in writer.results] == ["r0"]           # r2 finished but waits behind r1
+    assert sorted(llm.engine.aborted) == ["1", "3"] and not llm.engine.running

@@ -22,15 +22,17 @@ n, path = int(sys.argv[1]), sys.argv[2]
 with open(path, "w") as f:
     for i in range(n):
         f.write(json.dumps({"id": f"q{i}", "prompt": f"Say {i}", "sampling_params": {"max_tokens": 1}}) + "\n")
+from vbatch.engine.llm_engine import EngineStats
+from vbatch.engine.output_stream import stream_outputs
 from vbatch.engine.outputs import CompletionOutput, RequestOutput
 from vbatch.engine.sampling_params import SamplingParams
 from vbatch.batch.readers import open_reader
 
 class Engine:  # test double: one token per request, no history kept
-    stats = {}
     def __init__(self): self.running = []
-    def add_request(self, rid, prompt, params): self.running.append((rid, prompt))
+    def add_request(self, rid, prompt, params, pooling_task=None): self.running.append((rid, prompt))
     def has_unfinished_requests(self): return bool(self.running)
+    def abort_request(self, rid): pass
     def step(self):
         done = [RequestOutput(request_id=rid, prompt=p.get("prompt"), prompt_token_ids=[1, 2], prompt_logprobs=None,
                               outputs=[CompletionOutput(index=0, text="x", token_ids=[7], cumulative_logprob=None,
@@ -39,9 +41,10 @@ class Engine:  # test double: one token per request, no history kept
         self.running = []
         return done
 
-class LLM:
-    def __init__(self): self.engine = Engine()
+class LLM:  # test double of batch/jobs.BatchLLM over the real stream
+    def __init__(self): self.engine, self.stats = Engine(), EngineStats()
     def get_default_sampling_params(self): return SamplingParams()
+    def stream(self, requests, **kw): return stream_outputs(self.engine, requests, **kw)
 
 from vbatch.cli import run as run_cmd
 from vbatch.cli.main import app
