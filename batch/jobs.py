@@ -24,8 +24,8 @@ class BatchLLM(Protocol):
 
 
 class BatchJob(Protocol):
-    def request_for(self, record: BatchRecord) -> tuple[Any, Any, str | None]:
-        """(prompt, params, pooling_task) for one good record."""
+    def requests_for(self, record: BatchRecord) -> list[tuple[Any, Any, str | None]]:
+        """(prompt, params, pooling_task) of each engine request one good record becomes (usually one)."""
 
 
 class GenerateJob:
@@ -36,7 +36,7 @@ class GenerateJob:
         self.llm, self.defaults, self.chat_template = llm, dict(defaults or {}), chat_template
         self.base = llm.get_default_sampling_params()
 
-    def request_for(self, record: BatchRecord) -> tuple[Any, Any, str | None]:
+    def requests_for(self, record: BatchRecord) -> list[tuple[Any, Any, str | None]]:
         params = self.base.replace(**{**self.defaults, **record.sampling_overrides})
         if record.kind == "messages":
             # {"prompt", "prompt_token_ids"}: ids without a second BOS (the template holds it)
@@ -44,7 +44,7 @@ class GenerateJob:
                                               add_generation_prompt=True, continue_final_message=False)
         else:
             prompt = record.engine_prompt()
-        return prompt, params, None
+        return [(prompt, params, None)]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,6 @@ class EmbedJob:
 
     params: PoolingParams = PoolingParams()
 
-    def request_for(self, record: BatchRecord) -> tuple[Any, Any, str | None]:
+    def requests_for(self, record: BatchRecord) -> list[tuple[Any, Any, str | None]]:
         params = self.params.replace(**record.pooling_overrides) if record.pooling_overrides else self.params
-        return record.engine_prompt(), params, "embed"
+        return [(prompt, params, "embed") for prompt in record.engine_prompts()]

@@ -118,29 +118,30 @@ def merge_parts(paths: list[str], *, input_path: str | None = None, overwrite: b
         return MergeResult(base, count, on_disk.num_records or 0, already_complete=True)
     if os.path.exists(base) and not overwrite:
         raise OutputStateError(f"{base} already exists", hint="pass --overwrite to replace it")
-    _write_merged(base, count, merged.format, input_path)
+    kind = "embed" if first.options.get("command") == "embed" else "generate"
+    _write_merged(base, count, merged.format, input_path, kind)
     write_manifest(base, merged.completed(total))
     return MergeResult(base, count, total)
 
 
-def _expected_ids(input_path: str | None) -> Iterator[tuple[Any, int]] | None:
+def _expected_ids(input_path: str | None, kind: str) -> Iterator[tuple[Any, int]] | None:
     if input_path is None:
         return None
     from .readers import open_reader
-    return ((rec.id, rec.line) for rec in open_reader(input_path))
+    return ((rec.id, rec.line) for rec in open_reader(input_path, kind=kind))
 
 
-def _write_merged(base: str, count: int, fmt: str, input_path: str | None) -> None:
+def _write_merged(base: str, count: int, fmt: str, input_path: str | None, kind: str = "generate") -> None:
     sources = [_part_rows(f"{base}.part-{i}-of-{count}", fmt) for i in range(count)]
-    expected = _expected_ids(input_path)
+    expected = _expected_ids(input_path, kind)
     seen: set[str] = set()
     out = AtomicFile(base)
     pq_writer, rows, schema = None, [], None
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        from .parquet_schema import parquet_schema
-        schema = parquet_schema()
+        # the parts' own schema (generation or embedding records; an embedding column's width)
+        schema = pq.ParquetFile(f"{base}.part-0-of-{count}").schema_arrow
         pq_writer = pq.ParquetWriter(out.file, schema)
     try:
         position = 0

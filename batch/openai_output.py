@@ -87,11 +87,13 @@ def response_body(result: BatchResult, default_model: str) -> dict[str, Any]:
     }
 
 
-def batch_output_line(result: BatchResult, default_model: str) -> dict[str, Any]:
+def batch_output_line(result: BatchResult, default_model: str, body=None) -> dict[str, Any]:
+    """One output line; `body(result, model)` builds a success body (default: the completion bodies)."""
     request_id = f"vbatch-batch-{uuid.uuid4().hex}"
     error = result.error_message
     if error is None:
-        response = {"status_code": 200, "request_id": request_id, "body": response_body(result, default_model)}
+        response = {"status_code": 200, "request_id": request_id,
+                    "body": (body or response_body)(result, default_model)}
     else:
         response = {"status_code": 400, "request_id": request_id, "body": None}
     return {"id": f"vbatch-{uuid.uuid4().hex}", "custom_id": result.custom_id, "response": response,

@@ -2,6 +2,8 @@
 
 `open_reader(path)` picks the format from the extension and the content (Parquet magic bytes;
 a first JSON line with `custom_id` means OpenAI Batch); `-` reads stdin (JSONL or OpenAI).
+`kind` picks the record parsers: "generate" (`vbatch run`: plain_record.py, openai_input.py) or
+"embed" (`vbatch embed`: embed_record.py).
 Iteration never loads the whole file: JSONL goes line by line, Parquet batch by batch. A bad
 record becomes a RecordError and reading goes on. Duplicate ids are caught here, so every
 consumer (validate, run) sees the same errors. Called by `vbatch validate` and `vbatch run`.
@@ -16,11 +18,13 @@ from typing import IO, Any, Literal
 
 from ..engine.errors import InputError
 
+from .embed_record import parse_embed_openai, parse_embed_plain
 from .openai_input import is_openai_line, parse_openai
 from .plain_record import parse_plain
 from .record import BatchRecord, RecordError
 
 InputFormat = Literal["jsonl", "parquet", "openai"]
+ReaderKind = Literal["generate", "embed"]
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_MAGIC = b"PAR1"
 _PARQUET_BATCH_ROWS = 1024
@@ -30,8 +34,10 @@ class RecordReader:
     """One input file. `format` is known on construction; iterate once (stdin) or many times (files)."""
 
     def __init__(self, path: str, *, sampling_defaults: dict[str, Any] | None = None,
-                 stdin: IO[bytes] | None = None) -> None:
+                 stdin: IO[bytes] | None = None, kind: ReaderKind = "generate") -> None:
+        assert kind in ("generate", "embed"), kind
         self.path = path
+        self.kind = kind
         self.name = "<stdin>" if path == "-" else path
         self.sampling_defaults = dict(sampling_defaults or {})
         self._stdin = stdin
@@ -110,10 +116,19 @@ class RecordReader:
                                   message=f"invalid JSON: {msg}" + (f" (column {col})" if col else ""))
                 continue
             if self.format == "openai":
-                yield parse_openai(obj, line, file=self.name, sampling_defaults=self.sampling_defaults)
+                yield self._parse_openai(obj, line)
             else:
-                yield parse_plain(obj, line, file=self.name, default_id=str(line),
-                                  sampling_defaults=self.sampling_defaults)
+                yield self._parse_plain(obj, line, str(line))
+
+    def _parse_plain(self, obj: Any, line: int, default_id: str) -> BatchRecord | RecordError:
+        if self.kind == "embed":
+            return parse_embed_plain(obj, line, file=self.name, default_id=default_id)
+        return parse_plain(obj, line, file=self.name, default_id=default_id, sampling_defaults=self.sampling_defaults)
+
+    def _parse_openai(self, obj: Any, line: int) -> BatchRecord | RecordError:
+        if self.kind == "embed":
+            return parse_embed_openai(obj, line, file=self.name)
+        return parse_openai(obj, line, file=self.name, sampling_defaults=self.sampling_defaults)
 
     def _parquet_records(self) -> Iterator[BatchRecord | RecordError]:
         import pyarrow.parquet as pq  # lazy: `vbatch --help` stays fast
@@ -125,8 +140,7 @@ class RecordReader:
         row = 0
         for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
             for obj in batch.to_pylist():
-                yield parse_plain(_clean_parquet_row(obj), row, file=self.name, default_id=str(row),
-                                  sampling_defaults=self.sampling_defaults)
+                yield self._parse_plain(_clean_parquet_row(obj), row, str(row))
                 row += 1
 
     def count(self) -> int | None:
@@ -165,5 +179,5 @@ def _clean_parquet_row(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def open_reader(path: str, *, sampling_defaults: dict[str, Any] | None = None,
-                stdin: IO[bytes] | None = None) -> RecordReader:
-    return RecordReader(path, sampling_defaults=sampling_defaults, stdin=stdin)
+                stdin: IO[bytes] | None = None, kind: ReaderKind = "generate") -> RecordReader:
+    return RecordReader(path, sampling_defaults=sampling_defaults, stdin=stdin, kind=kind)

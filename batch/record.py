@@ -20,6 +20,7 @@ class OpenAIMeta:
     url: str                      # "/v1/chat/completions" | "/v1/completions"
     model: str | None = None      # body.model, echoed in the response body
     top_logprobs: int | None = None  # how many alternatives the response lists per token
+    encoding_format: str | None = None  # /v1/embeddings: "float" | "base64"
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class BatchRecord:
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     pooling_overrides: dict[str, Any] = field(default_factory=dict)   # embed records: PoolingParams fields
     openai: OpenAIMeta | None = None
+    inputs: tuple[Any, ...] | None = None   # several inputs in one record (an embeddings line): texts or id lists
 
     def engine_prompt(self) -> dict[str, Any]:
         """The `add_request` prompt for kinds that need no chat template."""
@@ -40,6 +42,12 @@ class BatchRecord:
         if self.kind == "token_ids":
             return {"prompt_token_ids": list(self.prompt_token_ids or [])}
         return {"prompt": self.prompt}
+
+    def engine_prompts(self) -> list[dict[str, Any]]:
+        """One `add_request` prompt per input (a record with `inputs` fans out, in order)."""
+        if self.inputs is None:
+            return [self.engine_prompt()]
+        return [{"prompt_token_ids": list(x)} if isinstance(x, list) else {"prompt": x} for x in self.inputs]
 
 
 @dataclass(frozen=True)

@@ -41,3 +41,23 @@ class BatchResult:
     @property
     def ok(self) -> bool:
         return self.error_message is None
+
+    @property
+    def outputs(self) -> list[Any]:
+        """The engine outputs behind this record (several when the record fanned out into requests)."""
+        if self.output is None:
+            return []
+        return list(self.output) if isinstance(self.output, list) else [self.output]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(o.prompt_token_ids or []) for o in self.outputs)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Sampled tokens (generation outputs); 0 for pooling outputs, which generate nothing."""
+        return sum(sum(len(c.token_ids) for c in o.outputs) for o in self.outputs if isinstance(o.outputs, list))
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(int(o.num_cached_tokens or 0) for o in self.outputs)

@@ -2,7 +2,8 @@
 
 Data flow: reader -> job (record -> prompt, params) -> `llm.stream` (the engine's streaming results
 API, engine/output_stream.py) -> ReorderWindow -> writer. Called by `vbatch run` (GenerateJob) and
-`vbatch embed` (EmbedJob): one loop for every kind of batch job.
+`vbatch embed` (EmbedJob): one loop for every kind of batch job. A record may become several
+requests (an OpenAI embeddings line with several inputs): its result waits until all are in.
 
 The stream adds requests while fewer than `max_in_flight` are in the engine and fewer than
 `max_pending` are admitted but unwritten (the reorder window's bound). Bad records (RecordErrors)
@@ -21,6 +22,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine.errors import VBatchError
@@ -35,6 +37,17 @@ from .writers import Writer
 
 ResultHook = Callable[[BatchResult], None]
 _STAT_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What travels with each engine request: its record's place, and which of its requests it is."""
+
+    seq: int
+    record: BatchRecord | RecordError
+    index: int = 0
+    count: int = 1
+    refusal: VBatchError | None = None    # the job refused the record: nothing runs for it
 
 
 def _counters(llm: BatchLLM) -> dict[str, float]:
@@ -73,35 +86,50 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
         for seq, rec in enumerate(records, start=first_seq):
             num_admitted += 1
             if isinstance(rec, RecordError):
-                yield EngineRequest(str(seq), None, None, context=(seq, rec), passthrough=True)
+                yield EngineRequest(str(seq), None, None, context=_Part(seq, rec), passthrough=True)
                 continue
             try:
-                prompt, params, task = job.request_for(rec)
+                parts = job.requests_for(rec)
             except VBatchError as e:
-                yield EngineRequest(str(seq), None, None, context=(seq, rec, e), passthrough=True)
+                yield EngineRequest(str(seq), None, None, context=_Part(seq, rec, refusal=e), passthrough=True)
                 continue
-            yield EngineRequest(str(seq), prompt, params, pooling_task=task, context=(seq, rec))
+            for k, (prompt, params, task) in enumerate(parts):
+                # one request keeps the record's number as its id (a resumed run's ids match an uninterrupted one's)
+                rid = str(seq) if len(parts) == 1 else f"{seq}.{k}"
+                yield EngineRequest(rid, prompt, params, pooling_task=task, context=_Part(seq, rec, k, len(parts)))
 
     def emit(result: BatchResult) -> None:
         writer.write(result)
         counts["requests"] += 1
         counts["ok" if result.ok else "errors"] += 1
-        out = result.output
-        if out is not None:
-            counts["prompt"] += len(out.prompt_token_ids or [])
-            counts["generated"] += sum(len(c.token_ids) for c in out.outputs) if isinstance(out.outputs, list) else 0
-            counts["cached"] += int(out.num_cached_tokens or 0)
+        counts["prompt"] += result.prompt_tokens
+        counts["generated"] += result.generated_tokens
+        counts["cached"] += result.cached_tokens
         if on_result is not None:
             on_result(result)
 
-    def to_result(item: StreamResult) -> BatchResult:
-        seq, rec, *refusal = item.request.context
+    gathering: dict[int, list[StreamResult | None]] = {}   # records with several requests, until all are in
+
+    def to_result(item: StreamResult) -> BatchResult | None:
+        part: _Part = item.request.context
+        rec = part.record
         if isinstance(rec, RecordError):
-            return BatchResult(seq, input_error=rec)
-        error = refusal[0] if refusal else item.error
-        if error is not None:
-            return BatchResult(seq, record=rec, error=str(error))
-        return BatchResult(seq, record=rec, output=item.output)
+            return BatchResult(part.seq, input_error=rec)
+        if part.refusal is not None:
+            return BatchResult(part.seq, record=rec, error=str(part.refusal))
+        if part.count > 1 or rec.inputs is not None:
+            got = gathering.setdefault(part.seq, [None] * part.count)
+            got[part.index] = item
+            if any(g is None for g in got):
+                return None
+            del gathering[part.seq]
+            failed = next((g.error for g in got if g.error is not None), None)
+            if failed is not None:
+                return BatchResult(part.seq, record=rec, error=str(failed))
+            return BatchResult(part.seq, record=rec, output=[g.output for g in got])
+        if item.error is not None:
+            return BatchResult(part.seq, record=rec, error=str(item.error))
+        return BatchResult(part.seq, record=rec, output=item.output)
 
     stopped = [False]
 
@@ -114,7 +142,8 @@ def run_batch(records: Iterable[BatchRecord | RecordError], writer: Writer, llm:
     with contextlib.closing(stream):
         for item in stream:
             result = to_result(item)
-            window.put(result.seq, result)
+            if result is not None:
+                window.put(result.seq, result)
             for result in window.pop_ready():
                 emit(result)
             if stop_now():

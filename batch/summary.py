@@ -25,6 +25,7 @@ class RunSummary:
     peak_device_bytes: int | None = None  # CUDA peak, when the engine ran on a GPU
     interrupted: bool = False             # stopped early (SIGINT/SIGTERM); the output stays resumable
     num_resumed: int = 0                  # records found done in the partial output and skipped
+    command: str = "run"                  # "run" (generation) | "embed" (pooling: nothing generated)
 
     @property
     def generated_tokens_per_s(self) -> float:
@@ -44,16 +45,19 @@ class RunSummary:
         from rich.table import Table
 
         rate = "-" if self.prefix_cache_hit_rate is None else f"{100 * self.prefix_cache_hit_rate:.1f}%"
-        table = Table(title="vbatch run", show_header=False)
+        table = Table(title=f"vbatch {self.command}", show_header=False)
+        pooling = self.command != "run"
+        per_s = self.prompt_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+        tokens = ((("input tokens", f"{self.prompt_tokens:,}"), ("input tokens/s", f"{per_s:,.1f}")) if pooling else
+                  (("prompt tokens", f"{self.prompt_tokens:,}"), ("generated tokens", f"{self.generated_tokens:,}"),
+                   ("generated tokens/s", f"{self.generated_tokens_per_s:,.1f}")))
+        cache = () if pooling else (("prefix cache hit rate", rate), ("preemptions", f"{self.num_preemptions:,}"))
         table.add_column("what", style="bold")
         table.add_column("value", justify="right")
         for what, value in (
             *((("resumed (skipped)", f"{self.num_resumed:,}"),) if self.num_resumed else ()),
             ("requests", f"{self.num_requests:,}"), ("ok", f"{self.num_ok:,}"), ("errors", f"{self.num_errors:,}"),
-            ("prompt tokens", f"{self.prompt_tokens:,}"), ("generated tokens", f"{self.generated_tokens:,}"),
-            ("generated tokens/s", f"{self.generated_tokens_per_s:,.1f}"),
-            ("requests/s", f"{self.requests_per_s:,.2f}"),
-            ("prefix cache hit rate", rate), ("preemptions", f"{self.num_preemptions:,}"),
+            *tokens, ("requests/s", f"{self.requests_per_s:,.2f}"), *cache,
             ("wall time", f"{self.wall_time_s:,.2f} s"),
             ("peak RSS", f"{self.peak_rss_bytes / 2**20:,.0f} MiB"),
             *((("peak GPU memory", f"{self.peak_device_bytes / 2**20:,.0f} MiB"),)

@@ -1,4 +1,7 @@
-"""Batch output writers: JSONL or Parquet RequestOutput records, or OpenAI Batch JSONL lines.
+"""Batch output writers: JSONL or Parquet output records, or OpenAI Batch JSONL lines.
+
+`records` says what an output record holds: "generate" (`vbatch run`: RequestOutput records,
+OpenAI completion bodies) or "embed" (`vbatch embed`: batch/embed_output.py).
 
 `open_writer` picks the writer from the `-o` extension (OpenAI Batch input always gets OpenAI
 Batch output). Every writer takes BatchResults in input order (the runner's reorder window
@@ -23,6 +26,7 @@ from typing import Any, BinaryIO, Protocol
 from ..engine.errors import ConfigError
 
 from .atomic_file import AtomicFile, fsync_dir
+from .embed_output import embed_record, embedding_width, embeddings_body, parquet_embed_schema, to_embed_row
 from .openai_output import batch_output_line
 from .result import BatchResult
 
@@ -58,8 +62,10 @@ class _LineWriter:
     """JSON lines to an AtomicFile (or stdout); `to_line` says what one result becomes."""
 
     def __init__(self, path: str, *, append: bool = False, sync_every: int = 64,
-                 sync_seconds: float = 5.0) -> None:
+                 sync_seconds: float = 5.0, records: str = "generate") -> None:
+        assert records in ("generate", "embed"), records
         self.path = path
+        self.records = records
         self.sync_every, self.sync_seconds = sync_every, sync_seconds
         self._pending = 0
         self._last_sync = time.monotonic()
@@ -68,7 +74,7 @@ class _LineWriter:
         self.num_written = 0
 
     def to_line(self, result: BatchResult) -> dict[str, Any]:
-        return output_record(result)
+        return embed_record(result) if self.records == "embed" else output_record(result)
 
     def write(self, result: BatchResult) -> None:
         data = (json.dumps(self.to_line(result), ensure_ascii=False) + "\n").encode("utf-8")
@@ -109,12 +115,13 @@ class OpenAIBatchWriter(_LineWriter):
     """One OpenAI Batch output line a line; `model` names the model when a body did not."""
 
     def __init__(self, path: str, *, model: str, append: bool = False, sync_every: int = 64,
-                 sync_seconds: float = 5.0) -> None:
-        super().__init__(path, append=append, sync_every=sync_every, sync_seconds=sync_seconds)
+                 sync_seconds: float = 5.0, records: str = "generate") -> None:
+        super().__init__(path, append=append, sync_every=sync_every, sync_seconds=sync_seconds, records=records)
         self.model = model
 
     def to_line(self, result: BatchResult) -> dict[str, Any]:
-        return batch_output_line(result, self.model)
+        body = embeddings_body if self.records == "embed" else None
+        return batch_output_line(result, self.model, body=body)
 
 
 class ParquetWriter(_LineWriter):
@@ -124,10 +131,10 @@ class ParquetWriter(_LineWriter):
     """
 
     def __init__(self, path: str, *, append: bool = False, row_group_size: int = 1024, sync_every: int = 64,
-                 sync_seconds: float = 5.0) -> None:
+                 sync_seconds: float = 5.0, records: str = "generate") -> None:
         if path == "-":
             raise ConfigError("--output", "Parquet cannot be written to stdout; give a .parquet path")
-        super().__init__(path, append=append, sync_every=sync_every, sync_seconds=sync_seconds)
+        super().__init__(path, append=append, sync_every=sync_every, sync_seconds=sync_seconds, records=records)
         self.row_group_size = row_group_size
 
     def close(self) -> None:
@@ -135,22 +142,26 @@ class ParquetWriter(_LineWriter):
         if self._file.closed:
             return
         self._file.abandon()  # fsynced and closed; the partial stays until the Parquet file is in place
-        jsonl_to_parquet(self._file.partial, self.path, row_group_size=self.row_group_size)
+        jsonl_to_parquet(self._file.partial, self.path, row_group_size=self.row_group_size, records=self.records)
         os.remove(self._file.partial)
         fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
 
-def jsonl_to_parquet(source: str, path: str, *, row_group_size: int = 1024) -> int:
+def jsonl_to_parquet(source: str, path: str, *, row_group_size: int = 1024, records: str = "generate") -> int:
     """Convert plain JSON-line records to a Parquet file at `path`, atomically; returns the rows.
 
-    Streams: at most one row group of records is in memory.
+    Streams: at most one row group of records is in memory (embed records: one more pass first,
+    for the embedding width of the fixed-size list column).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from .parquet_schema import parquet_schema, to_parquet_row
 
-    schema = parquet_schema()
+    if records == "embed":
+        schema, to_parquet_row = parquet_embed_schema(embedding_width(source)), to_embed_row
+    else:
+        schema = parquet_schema()
     tmp = path + ".converting"
     num_rows = 0
     with open(tmp, "wb") as sink:
@@ -196,11 +207,12 @@ def check_output(path: str, *, input_format: str, append: bool = False) -> str:
 
 
 def open_writer(path: str, *, input_format: str, model: str, append: bool = False,
-                kind: str | None = None) -> Writer:
-    """`kind` overrides the extension (a shard's `OUT.part-I-of-N` keeps OUT's format)."""
+                kind: str | None = None, records: str = "generate") -> Writer:
+    """`kind` overrides the extension (a shard's `OUT.part-I-of-N` keeps OUT's format); `records`:
+    generation or embedding output records."""
     kind = kind or check_output(path, input_format=input_format, append=append)
     if kind == "openai":
-        return OpenAIBatchWriter(path, model=model, append=append)
+        return OpenAIBatchWriter(path, model=model, append=append, records=records)
     if kind == "parquet":
-        return ParquetWriter(path, append=append)
-    return JsonlWriter(path, append=append)
+        return ParquetWriter(path, append=append, records=records)
+    return JsonlWriter(path, append=append, records=records)

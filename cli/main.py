@@ -11,12 +11,12 @@ import typer
 
 from .. import __version__
 
-from . import bench, merge, models, run, validate
+from . import bench, embed, merge, models, run, validate
 from .errors import EXIT_CODES_HELP, set_debug
 
 app = typer.Typer(
     name="vbatch",
-    help="Offline batch inference: JSONL / Parquet / OpenAI Batch files in, generations out.",
+    help="Offline batch inference: JSONL / Parquet / OpenAI Batch files in, generations or embeddings out.",
     epilog=EXIT_CODES_HELP,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -41,6 +41,7 @@ def _global(
 
 
 app.command("run", epilog=EXIT_CODES_HELP)(run.run)
+app.command("embed", epilog=EXIT_CODES_HELP)(embed.embed)
 app.command("validate", epilog=EXIT_CODES_HELP)(validate.validate)
 app.command("merge", epilog=EXIT_CODES_HELP)(merge.merge)
 app.add_typer(models.app, name="models")

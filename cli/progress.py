@@ -1,6 +1,7 @@
-"""Progress of `vbatch run` on stderr: a Rich bar on a terminal, timestamped lines otherwise.
+"""Progress of a batch command on stderr: a Rich bar on a terminal, timestamped lines otherwise.
 
 Fed one BatchResult at a time by the runner's `on_result` hook; knows nothing of the engine.
+The rate counts generated tokens (`vbatch run`) or input tokens (`vbatch embed`: `unit="input"`).
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typing import Any
 class PlainProgress:
     """One line every `every_s` seconds (and at the end), for logs and batch schedulers."""
 
-    def __init__(self, total: int | None, *, stream: Any = None, every_s: float = 10.0) -> None:
-        self.total, self.every_s = total, every_s
+    def __init__(self, total: int | None, *, stream: Any = None, every_s: float = 10.0,
+                 unit: str = "generated") -> None:
+        self.total, self.every_s, self.unit = total, every_s, unit
         self.stream = stream if stream is not None else sys.stderr
         self.start = self.last = time.monotonic()
         self.done = self.errors = self.tokens = 0
@@ -21,8 +23,7 @@ class PlainProgress:
     def update(self, result: Any) -> None:
         self.done += 1
         self.errors += 0 if result.ok else 1
-        if result.output is not None:
-            self.tokens += sum(len(c.token_ids) for c in result.output.outputs)
+        self.tokens += _tokens(result, self.unit)
         now = time.monotonic()
         if now - self.last >= self.every_s:
             self.last = now
@@ -36,30 +37,33 @@ class PlainProgress:
             eta = f", eta {max(self.total - self.done, 0) * elapsed / self.done:.0f}s"
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         print(f"[{stamp}] {self.done}{of} records, {self.errors} errors, "
-              f"{self.tokens / elapsed:.1f} generated tok/s{eta}", file=self.stream, flush=True)
+              f"{self.tokens / elapsed:.1f} {self.unit} tok/s{eta}", file=self.stream, flush=True)
 
     def close(self) -> None:
         self._line(time.monotonic())
 
 
+def _tokens(result: Any, unit: str) -> int:
+    return result.prompt_tokens if unit == "input" else result.generated_tokens
+
+
 class RichProgress:
-    def __init__(self, total: int | None) -> None:
+    def __init__(self, total: int | None, unit: str = "generated") -> None:
         from rich.console import Console
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                    TimeRemainingColumn)
 
         self.start = time.monotonic()
-        self.tokens = 0
+        self.tokens, self.unit = 0, unit
         self.progress = Progress(
             TextColumn("[bold]records"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[tok_s]:.1f} tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[tok_s]:.1f} " + ("input " if unit == "input" else "") + "tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
             console=Console(stderr=True), transient=False)
         self.task = self.progress.add_task("run", total=total, tok_s=0.0)
         self.progress.start()
 
     def update(self, result: Any) -> None:
-        if result.output is not None:
-            self.tokens += sum(len(c.token_ids) for c in result.output.outputs)
+        self.tokens += _tokens(result, self.unit)
         rate = self.tokens / max(time.monotonic() - self.start, 1e-9)
         self.progress.update(self.task, advance=1, tok_s=rate)
 
@@ -67,5 +71,5 @@ class RichProgress:
         self.progress.stop()
 
 
-def make_progress(total: int | None) -> PlainProgress | RichProgress:
-    return RichProgress(total) if sys.stderr.isatty() else PlainProgress(total)
+def make_progress(total: int | None, unit: str = "generated") -> PlainProgress | RichProgress:
+    return RichProgress(total, unit) if sys.stderr.isatty() else PlainProgress(total, unit=unit)

@@ -1,24 +1,19 @@
 """`vbatch run FILE -o OUT`: generate for every record of a batch file, outputs in input order.
 
-Only wiring: options -> engine kwargs and sampling defaults; reader, writer, resume, shards and
-the streaming loop live in `vbatch.batch`. Order of work: options, input and output checks, the
-resume plan (complete / resume / another run's output), the first validation pass, and only then
-the model, so a typo or a finished output costs no model load.
+Only wiring: options -> engine kwargs, sampling defaults and the generation job; the body every
+batch command shares (checks, resume, the model, the streaming loop, the summary) is
+cli/batch_job.py, and the reader, writer, resume, shards and loop live in `vbatch.batch`.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import os
 from typing import Any
 
 import typer
 
 from . import options as o
-from .errors import EXIT_BAD_INPUT, EXIT_RECORDS_FAILED, handle_errors
-
-MAX_LISTED_ERRORS = 20  # failed records listed under the summary (all of them are in the output)
+from .errors import handle_errors
 
 
 def resolve_chat_template(value: str | None) -> str | None:
@@ -78,27 +73,6 @@ def output_options(*, model: str, dtype: str, max_model_len: int | None, seed: i
     return options | {k: v for k, v in storage.items() if v != "auto"}
 
 
-def first_pass(reader: Any, shard: Any, *, on_error: str) -> int:
-    """Validate the shard's records before the model loads (like vLLM): print each problem; return the count.
-
-    `--on-error fail` stops here with exit 3 when any record is bad.
-    """
-    from ..batch.record import RecordError
-
-    num_records = num_problems = 0
-    for rec in shard.select(reader):
-        num_records += 1
-        if isinstance(rec, RecordError):
-            num_problems += 1
-            typer.echo(str(rec), err=True)
-    if num_problems and on_error == "fail":
-        typer.echo(f"{num_problems} bad records; nothing was run (--on-error record runs the rest)", err=True)
-        raise typer.Exit(EXIT_BAD_INPUT)
-    if num_problems:
-        typer.echo(f"{num_problems} bad records: each gets an error record in its place", err=True)
-    return num_records
-
-
 @handle_errors
 def run(
     file: o.InputFile,
@@ -132,21 +106,11 @@ def run(
 
     A killed or interrupted run leaves OUT.partial; the same command resumes it.
     """
-    from rich.console import Console
-
-    from ..batch.atomic_file import partial_path
-    from ..batch.manifest import Manifest, write_manifest
-    from ..batch.readers import open_reader
-    from ..batch.resume import OutputPlan, plan_output, remove_output, skip_done
-    from ..batch.runner import run_batch
-    from ..batch.shard import part_path, resolve_shard
-    from ..batch.writers import check_output, open_writer
+    from ..batch.jobs import GenerateJob
     from ..engine.errors import ConfigError
 
-    from .progress import make_progress
-    from .signals import StopSignals
+    from .batch_job import JobSpec, run_job
 
-    # 1. everything that can be checked without the model
     defaults = o.sampling_defaults(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens, stop=stop,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -159,85 +123,12 @@ def run(
     template = resolve_chat_template(chat_template)
     if max_in_flight is not None and max_in_flight < 1:
         raise ConfigError("--max-in-flight", f"must be >= 1, got {max_in_flight}")
-    if on_error not in ("record", "fail"):
-        raise ConfigError("--on-error", f"must be record or fail, got {on_error!r}")
-    on_error = "fail" if strict else on_error
-    the_shard = resolve_shard(shard)
-    if output == "-" and not the_shard.is_whole:
-        raise ConfigError(the_shard.source, "a shard writes OUT.part-I-of-N: give -o OUT",
-                          hint="or unset VBATCH_SHARD / run outside the Slurm array")
-    reader = open_reader(file, sampling_defaults=defaults)
-    fmt = check_output(output, input_format=reader.format)
-    if file == "-" and on_error == "fail":
-        raise ConfigError("--on-error", "fail needs a file: stdin cannot be read twice")
-
-    # 2. what is already there: complete, resumable, or another run's (refused before any model load)
-    target = part_path(output, the_shard)
-    plan, manifest = OutputPlan("fresh"), None
-    if output != "-":
-        manifest = Manifest.build(file, output_options(
-            model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, generation_config=generation_config,
-            chat_template=template, defaults=defaults, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype),
-            fmt, the_shard.spec())
-        plan = plan_output(target, manifest, resume=resume, overwrite=overwrite)
-        if plan.action == "complete":
-            typer.echo(f"{target}: already complete ({plan.num_done} records); nothing to do", err=True)
-            return
-        if plan.action == "resume":
-            typer.echo(f"{target}: resuming after {plan.num_done} records already done"
-                       + (f" (cut a torn last line of {plan.num_trimmed_bytes} bytes)" if plan.num_trimmed_bytes
-                          else ""), err=True)
-    if not the_shard.is_whole:
-        typer.echo(f"shard {the_shard.spec()} (from {the_shard.source}) -> {target}", err=True)
-    total = first_pass(reader, the_shard, on_error=on_error) if file != "-" else None
-    if plan.action == "replace":
-        remove_output(target)     # only now: `--on-error fail` on a bad file keeps the old output
-
-    # 3. the model, then the streaming loop
-    llm = load_llm(model, kwargs)
-    if manifest is not None:
-        write_manifest(target, manifest)  # before the partial's first line: a partial never lacks its manifest
-    writer = open_writer(target, input_format=reader.format, model=model, append=plan.action == "resume", kind=fmt)
-    records = skip_done(the_shard.select(reader), partial_path(target), plan.num_done,
-                        id_key="custom_id" if fmt == "openai" else "id")
-    progress = make_progress(None if total is None else total - plan.num_done)
-    failures: list[str] = []
-
-    def on_result(result: Any) -> None:
-        progress.update(result)
-        if not result.ok and len(failures) < MAX_LISTED_ERRORS:
-            failures.append(f"id {result.id!r}: {result.error_message}")
-
-    try:
-        with StopSignals() as stop:
-            result = run_batch(records, writer, llm, defaults,
-                               max_in_flight=max_in_flight or 2 * (max_num_seqs or 256),
-                               chat_template=template, on_result=on_result, should_stop=stop.is_set,
-                               first_seq=plan.num_done)
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        progress.close()
-    result = dataclasses.replace(result, num_resumed=plan.num_done)
-    if result.interrupted:
-        writer.abort()
-    else:
-        writer.close()
-        if manifest is not None:
-            write_manifest(target, manifest.completed(plan.num_done + result.num_requests))
-
-    # 4. the summary
-    Console(stderr=True).print(result.rich_table())
-    if failures:
-        typer.echo(f"errors (first {len(failures)} of {result.num_errors}):", err=True)
-        for line in failures:
-            typer.echo(f"  {line}", err=True)
-    if metrics_json is not None:
-        metrics_json.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
-    if result.interrupted:
-        typer.echo(f"stopped by {stop.name}: {result.num_requests} records written this run; "
-                   f"rerun the same command to resume ({partial_path(target)})", err=True)
-        raise typer.Exit(stop.exit_code)
-    if result.num_errors or plan.num_done_errors:  # the whole output, the resumed part included
-        raise typer.Exit(EXIT_RECORDS_FAILED)
+    spec = JobSpec(
+        command="run", file=file, output=output, model=model, engine_kwargs=kwargs,
+        output_options=output_options(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                      generation_config=generation_config, chat_template=template,
+                                      defaults=defaults, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype),
+        make_job=lambda llm: GenerateJob(llm, defaults, template), sampling_defaults=defaults,
+        max_in_flight=max_in_flight or 2 * (max_num_seqs or 256), metrics_json=metrics_json,
+        on_error="fail" if strict else on_error, shard=shard, resume=resume, overwrite=overwrite)
+    run_job(spec, lambda name, kw: load_llm(name, kw))   # looked up per call: tests replace load_llm

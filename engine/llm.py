@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_bytes
-from .errors import ConfigError, UnsupportedTaskError
+from .errors import ConfigError, InputError, UnsupportedTaskError
 from .llm_engine import LLMEngine, PromptInput
 from .models.catalogue import DEFAULT_MODEL
 from .output_stream import EngineRequest
@@ -39,7 +39,8 @@ class LLM:
                  kv_cache_dtype: str = "auto",
                  block_size: int = 16, seed: int = 0, generation_config: str = "auto", device: str = "auto",
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
-                 num_threads: int | None = None, quiet: bool = False) -> None:
+                 num_threads: int | None = None, io_processor_plugin: str | None = None,
+                 quiet: bool = False) -> None:
         model_cfg = ModelConfig(model=str(model), tokenizer=tokenizer, dtype=dtype, weight_dtype=weight_dtype,
                                 max_model_len=max_model_len,
                                 seed=seed, generation_config=generation_config, device=device,
@@ -54,10 +55,27 @@ class LLM:
                                     max_model_len=max_model_len or 1)
         self.engine = LLMEngine(EngineConfig(model_cfg, cache_cfg, sched_cfg), quiet=quiet)
         self._counter = 0
+        self.io_processor = self._load_plugin(str(model), io_processor_plugin)
+
+    def _load_plugin(self, model: str, explicit: str | None):
+        """The IO processor plugin: `io_processor_plugin`, else the model config's key (io_plugins/registry.py)."""
+        from ..io_plugins.interface import PluginConfig
+        from ..io_plugins.registry import build_plugin, select_plugin
+
+        name = select_plugin(explicit, self.engine.hf_config)
+        if name is None:
+            return None
+        return build_plugin(name, PluginConfig(model=model, model_path=self.engine.model_path,
+                                               hf_config=self.engine.hf_config))
 
     # ------------------------------------------------------------------ info
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def is_pooling_model(self) -> bool:
+        """True for encoder-only pooling models (embed/classify/score), False for generation models."""
+        return self.engine.is_pooling_model
 
     def get_default_sampling_params(self) -> SamplingParams:
         """generation_config defaults (REFERENCE 1.2) when the model has any, else vLLM's neutral ones."""
@@ -108,11 +126,29 @@ class LLM:
         """Run a pooling model; `.outputs.data` is the pooler's tensor. The task comes from
         `pooling_task` or the params (vLLM requires one; embed/classify/score set it for you)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if self.io_processor is not None and pooling_task in (None, "plugin"):
+            return self._encode_with_plugin(prompts, pooling_params)
         params = self._pooling_params_list(pooling_params, len(prompts), truncate_prompt_tokens)
         if pooling_task is None and any(p.task is None for p in params):
             raise UnsupportedTaskError("LLM.encode needs pooling_task (embed, classify, score, token_embed, ...)",
                                        hint="or use LLM.embed / LLM.classify / LLM.score")
         return self._run(prompts, params, pooling_task=pooling_task)
+
+    def _encode_with_plugin(self, payloads: list, pooling_params: PoolingParams | None) -> list[PoolingRequestOutput]:
+        """Every payload through the plugin and one engine run (io_plugins/driver.py); each output's
+        `.outputs` is what the plugin's post_process returned, in input order. A payload that fails
+        raises an InputError naming it (the others' requests are aborted)."""
+        from ..io_plugins.driver import PluginInput, run_plugin
+
+        done: dict[str, Any] = {}
+        inputs = [PluginInput(str(i), data) for i, data in enumerate(payloads)]
+        with contextlib.closing(run_plugin(self, self.io_processor, inputs, pooling_params=pooling_params)) as results:
+            for r in results:
+                if r.error is not None:
+                    raise InputError(f"input {r.key}: {r.error}", field="plugin")
+                done[r.key] = r
+        return [PoolingRequestOutput(request_id=i.key, outputs=done[i.key].output, prompt_token_ids=[])
+                for i in inputs]
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,

@@ -66,6 +66,8 @@ class FakeEngine:
 class FakeLLM:
     """Test double of vbatch.LLM (see the module docstring)."""
 
+    is_pooling_model = False
+
     def __init__(self):
         self.engine = FakeEngine()
 
@@ -186,3 +188,25 @@ def test_a_stop_request_drops_what_is_in_flight_and_writes_what_is_ready():
     assert summary.interrupted
     assert [r.id for r in writer.results] == ["r0"]           # r2 finished but waits behind r1
     assert sorted(llm.engine.aborted) == ["1", "3"] and not llm.engine.running
+
+
+def test_a_record_of_several_requests_waits_for_all_and_fails_as_one():
+    class ThreeEach:
+        """A job that makes three requests per record (as an embeddings line with three inputs)."""
+
+        def requests_for(self, record):
+            steps = record.sampling_overrides["max_tokens"]
+            prompts = [{"prompt": "too long"} if record.id == "bad" and k == 1 else {"prompt": f"{record.id}.{k}"}
+                       for k in range(3)]
+            return [(p, SamplingParams(max_tokens=steps + 2 - k), None) for k, p in enumerate(prompts)]
+    llm, writer = FakeLLM(), ListWriter()
+    records = [BatchRecord(id=rid, line=i + 1, kind="prompt", prompt="x", sampling_overrides={"max_tokens": steps},
+                           inputs=("a", "b", "c")) for i, (rid, steps) in enumerate((("r0", 3), ("bad", 1), ("r2", 1)))]
+    summary = run_batch(records, writer, llm, max_in_flight=4, job=ThreeEach())
+    assert [r.id for r in writer.results] == ["r0", "bad", "r2"]
+    first = writer.results[0]
+    assert [len(o.outputs[0].token_ids) for o in first.output] == [5, 4, 3]     # in input order, not finish order
+    assert [o.prompt for o in first.output] == ["r0.0", "r0.1", "r0.2"]
+    assert writer.results[1].error_message.startswith("prompt: the prompt is 9999 tokens")
+    assert summary.num_ok == 2 and summary.num_errors == 1
+    assert {rid for rid, _, _ in llm.engine.added} >= {"0.0", "0.1", "0.2", "2.0"}

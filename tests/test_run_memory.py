@@ -42,6 +42,7 @@ class Engine:  # test double: one token per request, no history kept
         return done
 
 class LLM:  # test double of batch/jobs.BatchLLM over the real stream
+    is_pooling_model = False
     def __init__(self): self.engine, self.stats = Engine(), EngineStats()
     def get_default_sampling_params(self): return SamplingParams()
     def stream(self, requests, **kw): return stream_outputs(self.engine, requests, **kw)
