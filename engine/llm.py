@@ -132,7 +132,25 @@ class LLM:
         if pooling_task is None and any(p.task is None for p in params):
             raise UnsupportedTaskError("LLM.encode needs pooling_task (embed, classify, score, token_embed, ...)",
                                        hint="or use LLM.embed / LLM.classify / LLM.score")
-        return self._run(prompts, params, pooling_task=pooling_task)
+        return self._run(self._tokenize_texts(prompts, params), params, pooling_task=pooling_task)
+
+    def _tokenize_texts(self, prompts: list, params: list[PoolingParams]) -> list:
+        """Text prompts tokenised in batches (the fast tokenizer's batch call is ~7x faster than one
+        text at a time), cut as the engine would cut them; other prompts pass unchanged."""
+        limits: dict[int | None, list[int]] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if isinstance(prompt, str) or (isinstance(prompt, dict) and set(prompt) == {"prompt"}
+                                           and isinstance(prompt["prompt"], str)):
+                limit = self.engine.max_model_len if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens
+                limits.setdefault(limit, []).append(i)
+        out = list(prompts)
+        tok = self.engine.tokenizer
+        for limit, rows in limits.items():
+            texts = [prompts[i] if isinstance(prompts[i], str) else prompts[i]["prompt"] for i in rows]
+            cut = {} if limit is None else {"truncation": True, "max_length": limit}
+            for i, text, ids in zip(rows, texts, tok(texts, **cut)["input_ids"]):
+                out[i] = {"prompt": text, "prompt_token_ids": list(ids)}
+        return out
 
     def _encode_with_plugin(self, payloads: list, pooling_params: PoolingParams | None) -> list[PoolingRequestOutput]:
         """Every payload through the plugin and one engine run (io_plugins/driver.py); each output's

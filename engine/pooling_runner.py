@@ -8,6 +8,7 @@ result tensor per scheduled request. Each request runs whole in one step (poolin
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -27,6 +28,11 @@ from .pooling_params import PoolingModelInfo
 from .scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("vbatch.engine")
+
+# The step's sequences go through the model in sub-batches of about this many tokens: the wide
+# GEMMs' [rows, 1536] fp32 outputs then stay in cache (measured here, MiniLM, 2 threads: 8,192-row
+# steps 137.8 sentences/s, 2,048 146.4, 1,024 139.3; medians of 4 alternating runs).
+SUB_BATCH_TOKENS = 2048
 
 
 class PoolingModelRunner:
@@ -94,11 +100,27 @@ class PoolingModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        batch = prepare_encoder_batch(sched, self.device)
-        hidden = self.model(batch)                                                       # [T, H]
-        params = [s.request.pooling_params for s in sched.scheduled]
-        results = self.pooler(hidden, batch.seq_lens, params)
+        results: list[torch.Tensor] = []
+        for part in _sub_batches(sched, SUB_BATCH_TOKENS):
+            batch = prepare_encoder_batch(part, self.device)
+            hidden = self.model(batch)                                                   # [T, H]
+            results += self.pooler(hidden, batch.seq_lens, [s.request.pooling_params for s in part.scheduled])
         return ModelRunnerOutput(
             req_ids=tuple(s.request.request_id for s in sched.scheduled),
             sampled_token_ids=tuple(() for _ in sched.scheduled),
             pooler_outputs=tuple(results))
+
+
+def _sub_batches(sched: SchedulerOutput, max_tokens: int) -> list[SchedulerOutput]:
+    """The step's requests in order, cut into runs of at most `max_tokens` tokens (a longer request alone)."""
+    parts, current, size = [], [], 0
+    for s in sched.scheduled:
+        if current and size + s.num_new_tokens > max_tokens:
+            parts.append(current)
+            current, size = [], 0
+        current.append(s)
+        size += s.num_new_tokens
+    if current:
+        parts.append(current)
+    return [dataclasses.replace(sched, scheduled=tuple(p), num_scheduled_tokens=sum(s.num_new_tokens for s in p))
+            for p in parts]

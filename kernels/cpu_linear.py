@@ -51,19 +51,22 @@ class GemmBackend:
 
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]                                    # [out, in] -> packed
-    # (rows [M, in], packed, bias [out] | None, activation "none" | "silu") -> [M, out]
+    # (rows [M, in], packed, bias [out] | None, activation "none" | "silu" | "gelu" | "gelu_tanh") -> [M, out]
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, str], torch.Tensor]
     # (rows [M, in], packed, bias, other [M, out]) -> (rows W^T + bias) * other, [M, out]
     linear_mul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 
-_ONEDNN_ACTIVATION = {"none": "none", "silu": "swish"}
+# activation -> (oneDNN post-op, its algorithm): applied to the fp32 accumulator inside the GEMM
+_ONEDNN_ACTIVATION = {"none": ("none", ""), "silu": ("swish", ""), "gelu": ("gelu", "none"),
+                      "gelu_tanh": ("gelu", "tanh")}
+_ZENTORCH_ACTIVATION = {"none": "none", "silu": "silu", "gelu": "gelu_erf", "gelu_tanh": "gelu_tanh"}
 
 ONEDNN = GemmBackend(
     name="onednn",
     pack=lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _PACK_BATCH_HINT),
     linear=lambda rows, packed, bias, act: torch.ops.mkldnn._linear_pointwise(
-        rows, packed, bias, _ONEDNN_ACTIVATION[act], [], ""),
+        rows, packed, bias, _ONEDNN_ACTIVATION[act][0], [], _ONEDNN_ACTIVATION[act][1]),
     linear_mul=lambda rows, packed, bias, other: torch.ops.mkldnn._linear_pointwise.binary(
         rows, other, packed, bias, "mul"),
 )
@@ -71,7 +74,11 @@ ONEDNN = GemmBackend(
 
 def _mkl_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     out = F.linear(rows, weight, bias)
-    return F.silu(out) if act == "silu" else out
+    if act == "silu":
+        return F.silu(out)
+    if act in ("gelu", "gelu_tanh"):
+        return F.gelu(out, approximate="tanh" if act == "gelu_tanh" else "none")
+    return out
 
 
 # torch's own F.linear (MKL's sgemm for fp32 on x86): no packing; a peer for bench/gemm_backends.py
@@ -97,7 +104,7 @@ def _zentorch() -> GemmBackend | None:
         name="zentorch",
         pack=lambda w: z.zentorch_weight_prepack_for_linear(w.detach().contiguous()),
         linear=lambda rows, packed, bias, act: z.zentorch_linear_unary(
-            rows, packed, bias, is_weight_prepacked=True, post_op=act),
+            rows, packed, bias, is_weight_prepacked=True, post_op=_ZENTORCH_ACTIVATION[act]),
         linear_mul=lambda rows, packed, bias, other: z.zentorch_linear_unary_binary(
             rows, packed, other, bias, is_weight_prepacked=True, post_op_1="none", post_op_2="mul"),
     )
@@ -153,9 +160,10 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                  out_features: int, backend: GemmBackend) -> torch.Tensor:  # [..., in] -> [..., out]
+                  out_features: int, backend: GemmBackend, act: str = "none") -> torch.Tensor:
+    """[..., in] -> [..., out], the activation `act` applied to the GEMM's accumulator."""
     rows = x.reshape(-1, x.shape[-1])
-    out = backend.linear(rows, packed_weight, bias, "none")
+    out = backend.linear(rows, packed_weight, bias, act)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -194,6 +202,15 @@ class PackedLinear(nn.Module):
         if small is not None:
             return small
         return packed_linear(x, self.packed_weight, self.bias, self.out_features, self.backend)
+
+    def linear_gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """gelu(self(x)) with GELU fused into the GEMM (an encoder MLP's first projection); equal to
+        activation_ref.gelu(self(x)) within fp32 rounding (tests/test_encoder_ops.py)."""
+        small = self._small(x)
+        if small is not None:
+            return F.gelu(small, approximate=approximate)
+        return packed_linear(x, self.packed_weight, self.bias, self.out_features, self.backend,
+                             "gelu_tanh" if approximate == "tanh" else "gelu")
 
     def _small(self, x: torch.Tensor) -> torch.Tensor | None:  # [..., in] -> [..., out] or None (not small)
         if self.native is not None and x.numel() <= self.SMALL_ROWS * self.in_features:

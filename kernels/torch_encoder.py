@@ -67,16 +67,21 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
     for n in seq_lens:
         starts.append(starts[-1] + n)
     out = torch.empty_like(q)
-    # One zero row past the end: padding positions gather it.
-    qz, kz, vz = (torch.cat([t, t.new_zeros(1, t.shape[1], head_dim)]) for t in (q, k, v))
     for group in length_groups(seq_lens):
         width = max(seq_lens[i] for i in group)
-        idx = torch.full((len(group), width), num_tokens, dtype=torch.long)                    # [B, L]
+        # Padding slots gather their sequence's first token (a real row, so nothing undefined is read)
+        # and the mask keeps them out of every softmax; their query rows are never stored.
+        idx = torch.empty((len(group), width), dtype=torch.long)                                # [B, L]
+        valid = torch.zeros((len(group), width), dtype=torch.bool)
         for row, i in enumerate(group):
-            idx[row, :seq_lens[i]] = torch.arange(starts[i], starts[i + 1])
-        idx = idx.to(q.device)
-        valid = idx < num_tokens                                                                 # [B, L]
-        qb, kb, vb = (t[idx].transpose(1, 2) for t in (qz, kz, vz))                             # [B, H, L, D]
+            n = seq_lens[i]
+            idx[row, :n] = torch.arange(starts[i], starts[i + 1])
+            idx[row, n:] = starts[i]
+            valid[row, :n] = True
+        idx, valid = idx.to(q.device), valid.to(q.device)
+        flat = idx.reshape(-1)
+        qb, kb, vb = (t.index_select(0, flat).view(len(group), width, t.shape[1], head_dim).transpose(1, 2)
+                      for t in (q, k, v))                                                       # [B, H, L, D]
         mask = valid[:, None, None, :]                                                           # [B, 1, 1, L]
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
         out[idx[valid]] = ob.transpose(1, 2)[valid]

@@ -116,3 +116,16 @@ def test_cpu_ops_carry_the_fast_encoder_ops():
     assert ops.encoder_attention is fast.encoder_attention and ops.layer_norm is fast.layer_norm
     ref = get_ops("cpu", None)
     assert ref.encoder_attention is encoder_attention and ref.gelu is gelu
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("rows", [3, 300])
+def test_gelu_fused_into_the_packed_gemm_equals_gemm_then_gelu(approximate, rows):
+    from vbatch.kernels import cpu_linear
+    if not cpu_linear.can_pack(torch.float32):
+        pytest.skip("no prepacked fp32 GEMM in this torch build")
+    lin = torch.nn.Linear(64, 256)
+    packed = cpu_linear.pack_linear(lin)
+    x = rand(rows, 64)
+    want = gelu(F.linear(x, lin.weight, lin.bias), approximate)
+    torch.testing.assert_close(packed.linear_gelu(x, approximate), want, atol=2e-5, rtol=2e-5)

@@ -68,6 +68,11 @@ def test_an_embedding_does_not_depend_on_its_batch(llm):
     alone = torch.tensor(llm.embed(SENTENCES[2])[0].outputs.embedding)
     batched = torch.tensor(llm.embed(SENTENCES)[2].outputs.embedding)
     assert float((alone - batched).abs().max()) < 1e-5
+    # a step of ~6,000 tokens runs in several sub-batches (pooling_runner.SUB_BATCH_TOKENS): same vectors
+    many = llm.embed(SENTENCES * 60)
+    assert sum(len(o.prompt_token_ids) for o in many) > 2 * 2048
+    for i in (2, 8 * 30 + 2, len(many) - 6):
+        assert float((torch.tensor(many[i].outputs.embedding) - alone).abs().max()) < 1e-5
 
 
 def test_token_embed_matches_transformers_hidden_states(llm, hf_embeddings):

@@ -89,7 +89,9 @@ class BertLayer(nn.Module):
         attn = ops.encoder_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], seq_lens, self.scale)  # [T, heads, D]
         hidden = ops.add_layer_norm(self.attn_out(attn.reshape(t, s.hidden_size)), hidden,
                                     self.attn_norm.weight, self.attn_norm.bias, s.layer_norm_eps)
-        inner = ops.gelu(self.fc1(hidden), s.gelu_approximate)                          # [T, intermediate]
+        fused = getattr(self.fc1, "linear_gelu", None)   # CPU: GELU inside fc1's GEMM (kernels/cpu_linear.py)
+        inner = (fused(hidden, s.gelu_approximate) if fused is not None
+                 else ops.gelu(self.fc1(hidden), s.gelu_approximate))                      # [T, intermediate]
         return ops.add_layer_norm(self.fc2(inner), hidden, self.out_norm.weight, self.out_norm.bias,
                                   s.layer_norm_eps)
 
