@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ logger = logging.getLogger("vbatch.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
-           CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c")
+           CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c", CSRC / "cpu_encoder_attention.c")
 HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h", CSRC / "vb_attention.h",
            CSRC / "vb_attention_tiled.h", CSRC / "vb_attention_spans.h")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",
@@ -186,6 +187,31 @@ class NativeKernels:
             raise NativeKernelError(f"native paged attention: {_ERRORS.get(rc, f'error {rc}')}")
         return out
 
+    def encoder_attention(
+        self,
+        q: torch.Tensor,            # [num_tokens, num_heads, head_dim] fp32 / bf16, rows any stride apart
+        k: torch.Tensor,            # [num_tokens, num_kv_heads, head_dim], the same row stride as q
+        v: torch.Tensor,
+        seq_lens: Sequence[int],
+        scale: float,
+        num_threads: int,
+    ) -> torch.Tensor | None:       # [num_tokens, num_heads, head_dim]; None: a layout it does not take
+        """kernels/csrc/cpu_encoder_attention.c; the reference is encoder_attention_ref.py."""
+        t, heads, dim = q.shape
+        if (q.dtype not in ACTIVATION_DTYPES or not (q.dtype == k.dtype == v.dtype) or dim % 16 or dim > 256
+                or not (q.stride(0) == k.stride(0) == v.stride(0)) or q.stride(1) != dim or k.stride(1) != dim
+                or v.stride(1) != dim or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1):
+            return None
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        starts = torch.cumsum(lens, 0, dtype=torch.int64) - lens
+        out = torch.empty((t, heads, dim), dtype=q.dtype)
+        rc = self._fn("vb_encoder_attention", q.dtype)(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), out.data_ptr(), starts.data_ptr(),
+            lens.data_ptr(), len(seq_lens), heads, k.shape[1], dim, scale, num_threads)
+        if rc != 0:
+            raise NativeKernelError("native encoder attention: out of memory for its scratch")
+        return out
+
     def linear_small(
         self,
         rows: torch.Tensor,         # [M, in] fp32 / bf16, M <= 8 (cpu_linear_small.c's MAX_ROWS)
@@ -282,6 +308,7 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_write_kv": ([p, i64, p, i64, p, p, p, i64, i32], None),
         "vb_decoder_layer": ([p, p, p, p, p, p, i32, i32], ctypes.c_int),
         "vb_sample": ([p, i64, i32, i32, p, p, p, i32], ctypes.c_int),
+        "vb_encoder_attention": ([p, p, p, i64, p, p, p, i32, i32, i32, i32, f32, i32], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         for suffix, _ in VARIANTS.values():

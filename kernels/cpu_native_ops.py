@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from . import activation_ref, attention_ref, cache_ref, cpu_attention, cpu_rotary, norm_ref
+from . import activation_ref, attention_ref, cache_ref, cpu_attention, cpu_rotary, norm_ref, torch_encoder
 from .attention_metadata import AttentionMetadata
 from .cpu_native import WEIGHT_FORMAT, NativeKernelError, NativeKernels, VbLayer, VbStep, has_variant
 
@@ -29,6 +29,10 @@ _warned: set[str] = set()
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 FUSED_LAYER_MAX_ROWS = 4  # the small-rows linear's range (cpu_linear.PackedLinear.SMALL_ROWS)
+
+# Longest sequence the native encoder attention takes (kernels/csrc/cpu_encoder_attention.c): past
+# it SDPA's flash kernel, whose per-tile overhead no longer dominates, is used.
+NATIVE_ENCODER_MAX_LEN = 512
 
 
 def _rows(*tensors: torch.Tensor) -> bool:  # contiguous, one native dtype
@@ -70,7 +74,18 @@ class NativeOps:
             ops, paged_attention=self.paged_attention, prepare_attention=None, rms_norm=self.rms_norm,
             fused_add_rms_norm=self.fused_add_rms_norm, silu_and_mul=self.silu_and_mul,
             apply_rotary=self.apply_rotary, prepare_rotary=cpu_rotary.prepare_rotary,
-            write_kv_cache=self.write_kv_cache, decoder_layer=self.decoder_layer, native=self.kernels)
+            write_kv_cache=self.write_kv_cache, decoder_layer=self.decoder_layer,
+            encoder_attention=self.encoder_attention, native=self.kernels)
+
+    def encoder_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens, scale: float
+                          ) -> torch.Tensor:  # [T, H, D] each -> [T, H, D]
+        """Short sequences (<= NATIVE_ENCODER_MAX_LEN: sentence encoders) in the native kernel; longer
+        ones (ViT tiles of 1,025 tokens) through SDPA's flash kernel (kernels/torch_encoder.py)."""
+        if max(seq_lens) <= NATIVE_ENCODER_MAX_LEN:
+            out = self.kernels.encoder_attention(q, k, v, seq_lens, scale, torch.get_num_threads())
+            if out is not None:
+                return out
+        return torch_encoder.encoder_attention(q, k, v, seq_lens, scale)
 
     def paged_attention(
         self,

@@ -113,7 +113,11 @@ def test_reference_attention_equals_a_padded_masked_softmax():
 
 def test_cpu_ops_carry_the_fast_encoder_ops():
     ops = get_ops("cpu", torch.float32)
-    assert ops.encoder_attention is fast.encoder_attention and ops.layer_norm is fast.layer_norm
+    assert ops.layer_norm is fast.layer_norm and ops.gelu is fast.gelu
+    if ops.native is not None:                    # the native kernel for short sequences, SDPA beyond
+        assert ops.encoder_attention.__func__.__name__ == "encoder_attention" and ops.encoder_attention.__self__
+    else:
+        assert ops.encoder_attention is fast.encoder_attention
     ref = get_ops("cpu", None)
     assert ref.encoder_attention is encoder_attention and ref.gelu is gelu
 
@@ -129,3 +133,23 @@ def test_gelu_fused_into_the_packed_gemm_equals_gemm_then_gelu(approximate, rows
     x = rand(rows, 64)
     want = gelu(F.linear(x, lin.weight, lin.bias), approximate)
     torch.testing.assert_close(packed.linear_gelu(x, approximate), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_lens,heads,dim", [([1, 17, 3, 64, 2, 9], (12, 12), 32), ([5] * 7, (8, 2), 64),
+                                                ([200, 1], (4, 4), 16)])
+def test_native_encoder_attention_matches_the_reference(native, dtype, seq_lens, heads, dim):
+    hq, hk = heads
+    t = sum(seq_lens)
+    qkv = rand(t, hq + 2 * hk, dim, dtype=dtype)                  # a fused projection's rows, as BERT has them
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+    got = native.encoder_attention(q, k, v, seq_lens, dim ** -0.5, 2)
+    assert got is not None and got.shape == (t, hq, dim) and got.dtype == dtype
+    want = encoder_attention(q, k, v, seq_lens, dim ** -0.5)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_native_encoder_attention_refuses_layouts_it_does_not_take(native):
+    q = rand(10, 4, 24)                                           # head_dim not a multiple of 16
+    assert native.encoder_attention(q, q, q, [10], 0.2, 1) is None
