@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 
 from peers_report import machine_facts  # noqa: E402
 
-SECTION = "## Embeddings: vbatch embed vs sentence-transformers"
+SECTION = "## Embeddings: vbatch (LLM.embed) vs sentence-transformers (encode)"
 _MODULES = ("argparse", "collections", "json", "logging", "email", "http", "urllib", "asyncio", "unittest",
             "pathlib", "subprocess", "threading", "typing", "dataclasses", "functools", "itertools", "csv",
             "sqlite3", "xml", "zipfile", "tarfile", "datetime", "decimal", "fractions", "statistics",
