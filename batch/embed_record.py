@@ -16,8 +16,8 @@ from typing import Any
 
 from ..engine.errors import PoolingParamsError
 from ..engine.pooling_params import PoolingParams
-from .fields import check_prompt, check_token_ids, type_name
-from .openai_input import is_openai_line
+from .fields import check_prompt, check_token_ids, record_id, type_name
+from .openai_input import SUPPORTED_URLS, is_openai_line, openai_envelope
 from .record import BatchRecord, OpenAIMeta, RecordError
 
 EMBEDDINGS_URL = "/v1/embeddings"
@@ -54,13 +54,9 @@ def parse_embed_plain(obj: Any, line: int, *, file: str, default_id: str) -> Bat
         return error("record", f"must be a JSON object, got {type_name(obj)}")
     if is_openai_line(obj):
         return error("record", "an OpenAI Batch line in a plain JSONL file (the first line decides the format)")
-    rid: Any = obj.get("id")
-    if rid is None:
-        rid = default_id
-    elif isinstance(rid, int) and not isinstance(rid, bool):
-        rid = str(rid)
-    elif not isinstance(rid, str) or rid == "":
-        return error("id", f"must be a non-empty string or an integer, got {rid!r}")
+    rid, problem = record_id(obj, default_id)
+    if problem is not None:
+        return error(*problem)
     present = [k for k in TEXT_FIELDS if obj.get(k) is not None]
     if not present:
         hint = " (chat messages cannot be embedded; give their text)" if obj.get("messages") is not None else ""
@@ -84,27 +80,11 @@ def parse_embed_plain(obj: Any, line: int, *, file: str, default_id: str) -> Bat
 
 
 def parse_embed_openai(obj: Any, line: int, *, file: str) -> BatchRecord | RecordError:
-    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
-    cid = custom_id if isinstance(custom_id, str) and custom_id else None
-
-    def error(field: str, message: str) -> RecordError:
-        return RecordError(id=cid, line=line, field=field, message=message, file=file, custom_id=cid)
-
-    if not isinstance(obj, dict):
-        return error("record", f"must be a JSON object, got {type_name(obj)}")
-    if cid is None:
-        return error("custom_id", f"must be a non-empty string, got {custom_id!r}")
-    if obj.get("method", "POST") != "POST":
-        return error("method", f"must be POST, got {obj.get('method')!r}")
-    if obj.get("url") != EMBEDDINGS_URL:
-        return error("url", f"unsupported url {obj.get('url')!r}; vbatch embed serves {EMBEDDINGS_URL}"
-                            + (" (vbatch run serves the completion urls)" if obj.get("url") else ""))
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        return error("body", f"must be an object, got {type_name(body)}")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        return error("body.model", f"must be a string, got {type_name(model)}")
+    envelope = openai_envelope(obj, line, file=file, urls=(EMBEDDINGS_URL,), command="vbatch embed",
+                               elsewhere={url: "vbatch run" for url in SUPPORTED_URLS})
+    if isinstance(envelope, RecordError):
+        return envelope
+    cid, body, model, error = envelope
     encoding = body.get("encoding_format", "float")
     if encoding not in _ENCODINGS:
         return error("body.encoding_format", f"must be one of {', '.join(_ENCODINGS)}, got {encoding!r}")

@@ -31,6 +31,19 @@ def type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def record_id(obj: dict[str, Any], default_id: str) -> tuple[str | None, Problem | None]:
+    """A plain record's id: its `id` (a non-empty string, or an integer as its decimal string), else
+    `default_id` (the line or row number). Returns (id, None) or (None, problem)."""
+    rid: Any = obj.get("id")
+    if rid is None:
+        return default_id, None
+    if isinstance(rid, int) and not isinstance(rid, bool):
+        return str(rid), None
+    if not isinstance(rid, str) or rid == "":
+        return None, ("id", f"must be a non-empty string or an integer, got {rid!r}")
+    return rid, None
+
+
 def check_prompt(value: Any, name: str = "prompt") -> Problem | None:
     if not isinstance(value, str):
         return name, f"must be a string, got {type_name(value)}"

@@ -61,8 +61,11 @@ def body_to_sampling(body: dict[str, Any], url: str) -> tuple[dict[str, Any], di
     return params, source, top if isinstance(top, int) else None
 
 
-def parse_openai(obj: Any, line: int, *, file: str,
-                 sampling_defaults: dict[str, Any] | None = None) -> BatchRecord | RecordError:
+def openai_envelope(obj: Any, line: int, *, file: str, urls: tuple[str, ...], command: str = "vbatch",
+                    elsewhere: dict[str, str] | None = None) -> tuple[str, dict[str, Any], str | None, Any] | RecordError:
+    """The checks every OpenAI Batch line passes (custom_id, method, url among `urls`, body, body.model):
+    (custom_id, body, model, error) where error(field, message) makes this line's RecordError.
+    `elsewhere`: url -> which other command serves it (added to the url error)."""
     custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
     cid = custom_id if isinstance(custom_id, str) and custom_id else None
 
@@ -76,19 +79,32 @@ def parse_openai(obj: Any, line: int, *, file: str,
     if obj.get("method", "POST") != "POST":
         return error("method", f"must be POST, got {obj.get('method')!r}")
     url = obj.get("url")
-    if url not in SUPPORTED_URLS:
-        return error("url", f"unsupported url {url!r}; vbatch serves {', '.join(SUPPORTED_URLS)}")
+    if url not in urls:
+        where = (elsewhere or {}).get(url) if isinstance(url, str) else None
+        return error("url", f"unsupported url {url!r}; {command} serves {', '.join(urls)}"
+                            + (f" ({where} serves {url})" if where else ""))
     body = obj.get("body")
     if not isinstance(body, dict):
         return error("body", f"must be an object, got {type_name(body)}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        return error("body.model", f"must be a string, got {type_name(model)}")
+    return cid, body, model, error
+
+
+def parse_openai(obj: Any, line: int, *, file: str,
+                 sampling_defaults: dict[str, Any] | None = None) -> BatchRecord | RecordError:
+    envelope = openai_envelope(obj, line, file=file, urls=SUPPORTED_URLS,
+                               elsewhere={"/v1/embeddings": "vbatch embed"})
+    if isinstance(envelope, RecordError):
+        return envelope
+    cid, body, model, error = envelope
+    url = obj["url"]
     for key in _UNSUPPORTED:
         if body.get(key) is not None:
             return error(f"body.{key}", "is not supported by vbatch")
     if body.get("stream"):
         return error("body.stream", "must be false in a batch file")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        return error("body.model", f"must be a string, got {type_name(model)}")
 
     kind, prompt, messages, token_ids = "prompt", None, None, None
     if url == CHAT_URL:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fields import check_messages, check_prompt, check_sampling, check_token_ids, type_name
+from .fields import check_messages, check_prompt, check_sampling, check_token_ids, record_id, type_name
 from .record import BatchRecord, RecordError
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -23,13 +23,9 @@ def parse_plain(obj: Any, line: int, *, file: str, default_id: str,
 
     if not isinstance(obj, dict):
         return error("record", f"must be a JSON object, got {type_name(obj)}")
-    rid: Any = obj.get("id")
-    if rid is None:
-        rid = default_id
-    elif isinstance(rid, int) and not isinstance(rid, bool):
-        rid = str(rid)
-    elif not isinstance(rid, str) or rid == "":
-        return error("id", f"must be a non-empty string or an integer, got {rid!r}")
+    rid, problem = record_id(obj, default_id)
+    if problem is not None:
+        return error(*problem)
 
     present = [k for k in PROMPT_FIELDS if obj.get(k) is not None]
     if not present:

@@ -190,7 +190,7 @@ def test_openai_chat_and_completions_field_mapping(tmp_path):
 
 @pytest.mark.parametrize("line, expected", [
     (oa("e1", "/v1/embeddings", input="x"),
-     "url: unsupported url '/v1/embeddings'; vbatch serves /v1/chat/completions, /v1/completions"),
+     "url: unsupported url '/v1/embeddings'; vbatch serves /v1/chat/completions, /v1/completions (vbatch embed serves /v1/embeddings)"),
     ({**oa("e2", messages=[{"role": "user", "content": "x"}]), "method": "GET"}, "method: must be POST, got 'GET'"),
     ({"custom_id": "", "method": "POST", "url": "/v1/completions", "body": {}}, "custom_id: must be a non-empty string, got ''"),
     (oa("e4"), "body.messages: must be an array of chat messages, got null"),

@@ -41,7 +41,7 @@ def test_openai_bad_url(tmp_path):
     result = runner.invoke(app, ["validate", str(f)])
     assert result.exit_code == 3
     assert result.stdout.strip() == (f"{f}:1: url: unsupported url '/v1/embeddings'; "
-                                     "vbatch serves /v1/chat/completions, /v1/completions")
+                                     "vbatch serves /v1/chat/completions, /v1/completions (vbatch embed serves /v1/embeddings)")
     assert "(openai)" in result.stderr
 
 

@@ -246,3 +246,28 @@ def test_full_size_key_count_matches_the_released_checkpoint():
     state = m.state_dict()
     assert len(state) == 381
     assert sum(t.numel() for t in state.values()) == 319_177_489
+
+
+class _NotATensor:
+    """A pickled object a weights_only load must refuse (it could have run code)."""
+
+
+def test_checkpoint_files_load_safely(tmp_path, state):
+    from safetensors.torch import save_file
+    from vbatch.engine.models.prithvi import checkpoint_weights
+    torch.save({"state_dict": state, "epoch": 41, "hyper_parameters": {"lr": 1e-3, "bands": ["BLUE"]}},
+               tmp_path / "lightning.ckpt")
+    torch.save({k.removeprefix("model."): v for k, v in state.items()}, tmp_path / "bare.pt")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "w.safetensors"))
+    pixels = torch.randn(1, C, 64, 64, generator=torch.Generator().manual_seed(4))
+    outs = []
+    for name in ("lightning.ckpt", "bare.pt", "w.safetensors"):
+        m = PrithviSegmentation(CFG, get_ops("cpu", None))
+        m.load_weights(checkpoint_weights(tmp_path / name))
+        outs.append(m(pixels))
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[2])
+    torch.save({"state_dict": state, "evil": _NotATensor()}, tmp_path / "unsafe.ckpt")
+    with pytest.raises(ModelLoadError, match=r"holds Python objects besides tensors \(Unsupported global: GLOBAL "
+                                             r"test_prithvi_model._NotATensor\), and checkpoints load with weights_only"):
+        list(checkpoint_weights(tmp_path / "unsafe.ckpt"))

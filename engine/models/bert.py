@@ -26,6 +26,7 @@ from torch import nn
 from ...kernels.ops import Ops, get_ops
 from ..errors import UnsupportedModelError
 from ..encoder_inputs import EncoderBatch
+from .norm_params import NormParams as _Norm
 from .weights import WeightSlots, fill_slots
 
 _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -59,15 +60,6 @@ def _read_shape(config: Any) -> BertShape:
                      layer_norm_eps=float(config.layer_norm_eps), max_position=int(config.max_position_embeddings),
                      type_vocab_size=int(getattr(config, "type_vocab_size", 2) or 1),
                      gelu_approximate=_ACTIVATIONS[act])
-
-
-class _Norm(nn.Module):
-    """LayerNorm parameters (weight, bias); the op is the Ops' own."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(hidden), requires_grad=False)
 
 
 class BertLayer(nn.Module):

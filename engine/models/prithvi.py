@@ -29,7 +29,9 @@ from torch import nn
 
 from ...kernels.ops import Ops, get_ops
 from ..errors import ModelLoadError
+from .norm_params import NormParams as _Norm
 from .prithvi_config import PrithviConfig
+from .weights import check_complete, pickled_tensors
 
 
 # ---------------------------------------------------------------------------- sin-cos tables
@@ -60,13 +62,6 @@ def sincos_coords(dim: int, values: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- encoder
-class _Norm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
-
-
 class _Scale(nn.Module):
     """A learned scalar (terratorch's TemporalEncoder / LocationEncoder `scale`)."""
 
@@ -291,13 +286,7 @@ class PrithviSegmentation(nn.Module):
                 raise ModelLoadError(f"tensor {raw} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor.to(target.dtype))
             loaded.add(name)
-        if unexpected:
-            raise ModelLoadError(f"unexpected tensors in the checkpoint: {', '.join(sorted(unexpected)[:10])}"
-                                 + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
-        missing = sorted(set(expected) - loaded - {"encoder.pos_embed"})
-        if missing:
-            raise ModelLoadError(f"tensors missing from the checkpoint: {', '.join(missing[:10])}"
-                                 + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+        check_complete(unexpected, set(expected) - loaded - {"encoder.pos_embed"})
 
     @torch.no_grad()
     def finalize_weights(self) -> None:
@@ -324,15 +313,4 @@ def checkpoint_weights(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
         from safetensors.torch import load_file
         yield from load_file(str(path)).items()
         return
-    try:
-        state = torch.load(str(path), weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001  pickle/zip errors of every kind mean a bad or unsafe file
-        raise ModelLoadError(f"cannot read {path}: {e}", hint="the file is damaged or holds more than tensors "
-                             "(only weights_only checkpoints load)") from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ModelLoadError(f"{path} does not hold a dict of tensors")
-    for name, tensor in state.items():
-        if isinstance(tensor, torch.Tensor):
-            yield name, tensor
+    yield from pickled_tensors(path)

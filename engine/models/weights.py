@@ -40,18 +40,29 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             except SafetensorError as e:
                 raise ModelLoadError(f"cannot read {file}: {e}", hint="the file is damaged; fetch it again") from None
         else:
-            try:
-                state = torch.load(str(file), weights_only=True, map_location="cpu")
-            except Exception as e:  # noqa: BLE001  pickle/zip errors of every kind mean a bad file
-                raise ModelLoadError(f"cannot read {file}: {e}",
-                                     hint="the file is damaged or holds more than tensors") from None
-            if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-                state = state["state_dict"]
-            if not isinstance(state, dict):
-                raise ModelLoadError(f"{file} does not hold a dict of tensors")
-            for name, tensor in state.items():
-                if isinstance(tensor, torch.Tensor):
-                    yield name, tensor
+            yield from pickled_tensors(file)
+
+
+def pickled_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a torch pickle: a state dict, or a Lightning checkpoint's `state_dict`. Read
+    with `torch.load(weights_only=True)`, which never runs pickled code."""
+    try:
+        state = torch.load(str(file), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001  pickle/zip errors of every kind mean a bad file
+        text = str(e)
+        unsafe = next((line.strip() for line in text.splitlines() if "Unsupported global" in line), None)
+        unsafe = unsafe.split(" was not")[0].removeprefix("WeightsUnpickler error: ") if unsafe else None
+        why = (f"it holds Python objects besides tensors ({unsafe}), and checkpoints "
+               "load with weights_only=True only" if unsafe else text.splitlines()[0] if text else type(e).__name__)
+        raise ModelLoadError(f"cannot read {file}: {why}",
+                             hint="the file is damaged, or re-save it as a plain state dict / safetensors") from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{file} does not hold a dict of tensors")
+    for name, tensor in state.items():
+        if isinstance(tensor, torch.Tensor):
+            yield name, tensor
 
 
 # HF name -> (our tensor, first row, end row): the row slice of our (possibly fused) tensor it fills.
@@ -76,10 +87,14 @@ def fill_slots(weights: Iterator[tuple[str, torch.Tensor]] | list, slots: Weight
             raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
         target[start:end].copy_(tensor.to(device=target.device, dtype=target.dtype))
         loaded.add(name)
-    if unexpected:
-        raise ModelLoadError(f"unexpected tensors in the checkpoint: {', '.join(sorted(unexpected)[:10])}"
-                             + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
-    missing = sorted(set(slots) - loaded)
-    if missing:
-        raise ModelLoadError(f"tensors missing from the checkpoint: {', '.join(missing[:10])}"
-                             + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+    check_complete(unexpected, set(slots) - loaded)
+
+
+def check_complete(unexpected: list[str], missing: set[str]) -> None:
+    """A strict load's verdict: a ModelLoadError naming (up to ten of) the tensors with no place in
+    the model, or the model's places no tensor filled."""
+    for what, names in (("unexpected tensors in the checkpoint", sorted(unexpected)),
+                        ("tensors missing from the checkpoint", sorted(missing))):
+        if names:
+            raise ModelLoadError(f"{what}: {', '.join(names[:10])}"
+                                 + (f" (and {len(names) - 10} more)" if len(names) > 10 else ""))
