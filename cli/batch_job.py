@@ -107,6 +107,7 @@ def run_job(spec: JobSpec, load_llm: Callable[[str, dict[str, Any]], Any]) -> No
     target = part_path(spec.output, the_shard)
     plan, manifest = OutputPlan("fresh"), None
     if spec.output != "-":
+        # `run` manifests carry no command key, so outputs written before `embed` existed still resume.
         options = spec.output_options if spec.command == "run" else {"command": spec.command, **spec.output_options}
         manifest = Manifest.build(spec.file, options, fmt, the_shard.spec())
         plan = plan_output(target, manifest, resume=spec.resume, overwrite=spec.overwrite)

@@ -29,8 +29,10 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 where the device computes it fast (CUDA with bf16, CPUs with avx512_bf16), else fp32."""
+def resolve_dtype(name: str, device: torch.device, *, exact_on_cpu: bool = False) -> torch.dtype:
+    """auto: bf16 where the device computes it fast (CUDA with bf16, CPUs with avx512_bf16), else fp32.
+    `exact_on_cpu`: a model family whose outputs are compared with fp32 references (embeddings) keeps
+    fp32 on every CPU under auto; `--dtype bfloat16` still asks for bf16."""
     if name != "auto":
         dtype = _NAMED[name]
         if device.type == "cpu" and dtype == torch.float16:
@@ -38,7 +40,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return dtype
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() and not exact_on_cpu else torch.float32
 
 
 def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:

@@ -204,7 +204,7 @@ class LLM:
             for a, b in zip(left, right):
                 enc = tok(a, b, truncation=truncate_prompt_tokens is not None,
                           max_length=None if truncate_prompt_tokens in (None, -1) else truncate_prompt_tokens)
-                pair = {"prompt": f"{a} [SEP] {b}", "prompt_token_ids": list(enc["input_ids"])}
+                pair = {"prompt_token_ids": list(enc["input_ids"])}
                 if "token_type_ids" in enc:
                     pair["token_type_ids"] = list(enc["token_type_ids"])
                 pairs.append(pair)

@@ -77,7 +77,8 @@ class LLMEngine:
         config = self._fill_model_limits(config)
         self.config = config
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device,
+                                   exact_on_cpu=getattr(get_model_class(self.hf_config), "exact_on_cpu", False))
         torch.manual_seed(config.model.seed)
         runner_cls = PoolingModelRunner if self.is_pooling_model else ModelRunner
         runner = runner_cls(config, self.hf_config, self.model_path, self.device, self.dtype)

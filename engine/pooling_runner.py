@@ -50,9 +50,6 @@ class PoolingModelRunner:
         self.model = None
         self.pooler: Pooler | None = None
         self.pooler_config: PoolerConfig | None = None
-        self.num_blocks = 0
-        self.kv_caches: list = []
-        self.cuda_graphs = None
         self.load_seconds = 0.0
         if device.type == "cpu":
             torch.set_num_threads(cpu_thread_count(config.model.num_threads))
@@ -72,14 +69,6 @@ class PoolingModelRunner:
         self.pooler = Pooler(self.pooler_config, classify=getattr(model, "classify", None))
         logger.info("ops %s; pooling %s (%s)", self.ops.name, self.pooler_config.pooling_type, self.pooler_config.source)
         self.load_seconds = time.perf_counter() - t0
-
-    @property
-    def max_positions(self) -> int:
-        """The longest sequence the model takes: its position table, or what it was trained with."""
-        limit = self.model.max_positions
-        if self.pooler_config is not None and self.pooler_config.max_seq_length:
-            limit = min(limit, self.pooler_config.max_seq_length)
-        return limit
 
     def model_info(self, name: str) -> PoolingModelInfo:
         cfg = self.hf_config

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.errors import VBatchError
 from ..engine.output_stream import EngineRequest, StreamResult
 from ..engine.pooling_params import PoolingParams
 from .interface import IOProcessor, PluginContext
@@ -55,7 +56,8 @@ class _Open:
 
 
 def _describe(e: BaseException) -> str:
-    return str(e) if hasattr(e, "hint") else f"{type(e).__name__}: {e}"
+    """A VBatchError's own message (it names the field); anything else with its type."""
+    return str(e) if isinstance(e, VBatchError) else f"{type(e).__name__}: {e}"
 
 
 def run_plugin(llm: Any, plugin: IOProcessor, inputs: Iterable[PluginInput], *,

@@ -51,7 +51,7 @@ class GemmBackend:
 
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]                                    # [out, in] -> packed
-    # (rows [M, in], packed, bias [out] | None, activation "none" | "silu" | "gelu" | "gelu_tanh") -> [M, out]
+    # (rows [M, in], packed, bias [out] | None, activation "none" | "silu"; oneDNN also "gelu" | "gelu_tanh")
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, str], torch.Tensor]
     # (rows [M, in], packed, bias, other [M, out]) -> (rows W^T + bias) * other, [M, out]
     linear_mul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
@@ -60,7 +60,7 @@ class GemmBackend:
 # activation -> (oneDNN post-op, its algorithm): applied to the fp32 accumulator inside the GEMM
 _ONEDNN_ACTIVATION = {"none": ("none", ""), "silu": ("swish", ""), "gelu": ("gelu", "none"),
                       "gelu_tanh": ("gelu", "tanh")}
-_ZENTORCH_ACTIVATION = {"none": "none", "silu": "silu", "gelu": "gelu_erf", "gelu_tanh": "gelu_tanh"}
+
 
 ONEDNN = GemmBackend(
     name="onednn",
@@ -74,11 +74,7 @@ ONEDNN = GemmBackend(
 
 def _mkl_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     out = F.linear(rows, weight, bias)
-    if act == "silu":
-        return F.silu(out)
-    if act in ("gelu", "gelu_tanh"):
-        return F.gelu(out, approximate="tanh" if act == "gelu_tanh" else "none")
-    return out
+    return F.silu(out) if act == "silu" else out
 
 
 # torch's own F.linear (MKL's sgemm for fp32 on x86): no packing; a peer for bench/gemm_backends.py
@@ -104,7 +100,7 @@ def _zentorch() -> GemmBackend | None:
         name="zentorch",
         pack=lambda w: z.zentorch_weight_prepack_for_linear(w.detach().contiguous()),
         linear=lambda rows, packed, bias, act: z.zentorch_linear_unary(
-            rows, packed, bias, is_weight_prepacked=True, post_op=_ZENTORCH_ACTIVATION[act]),
+            rows, packed, bias, is_weight_prepacked=True, post_op=act),
         linear_mul=lambda rows, packed, bias, other: z.zentorch_linear_unary_binary(
             rows, packed, other, bias, is_weight_prepacked=True, post_op_1="none", post_op_2="mul"),
     )
@@ -209,6 +205,8 @@ class PackedLinear(nn.Module):
         small = self._small(x)
         if small is not None:
             return F.gelu(small, approximate=approximate)
+        if self.backend is not ONEDNN:   # the post-op is oneDNN's; the other libraries' GEMM, then GELU
+            return F.gelu(self(x), approximate=approximate)
         return packed_linear(x, self.packed_weight, self.bias, self.out_features, self.backend,
                              "gelu_tanh" if approximate == "tanh" else "gelu")
 

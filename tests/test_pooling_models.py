@@ -210,3 +210,24 @@ def test_pooling_config_from_sentence_transformers_files(tmp_path, minilm_path):
     _st_folder(tmp_path, {"pooling_mode_mean_tokens": True}, modules=("Transformer", "Pooling", "Dense"))
     with pytest.raises(UnsupportedModelError, match="'sentence_transformers.models.Dense' is not supported"):
         read_pooler_config(tmp_path, "CLS")
+
+
+def test_dtype_auto_keeps_encoders_in_fp32_even_where_bf16_is_fast(monkeypatch):
+    from vbatch.engine import device
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)
+    cpu = torch.device("cpu")
+    assert device.resolve_dtype("auto", cpu) == torch.bfloat16                 # decoders: the fast dtype
+    assert device.resolve_dtype("auto", cpu, exact_on_cpu=True) == torch.float32
+    assert device.resolve_dtype("bfloat16", cpu, exact_on_cpu=True) == torch.bfloat16
+
+
+def test_bf16_embeddings_stay_close_to_fp32(llm, minilm_path):
+    """--dtype bfloat16 on this CPU's bf16 path (oneDNN/zentorch bf16 GEMMs with avx512_bf16, torch's
+    elsewhere): every embedding within cosine 0.999 of the fp32 one (bf16 rounds each op's result)."""
+    from vbatch import LLM
+    half = LLM(str(minilm_path), dtype="bfloat16", quiet=True)
+    assert half.engine.dtype == torch.bfloat16 and llm.engine.dtype == torch.float32
+    a = torch.tensor([o.outputs.embedding for o in half.embed(SENTENCES)])
+    b = torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES)])
+    cos = F.cosine_similarity(a, b, dim=-1)
+    assert float(cos.min()) > 0.999, cos          # measured here: 0.9999 or more for every sentence

@@ -92,6 +92,9 @@ class BertModel(nn.Module):
     """The encoder; as a pooling model it embeds (the folder's pooling, else CLS) and embeds tokens."""
 
     needs_kv_cache = False
+    # dtype auto computes in fp32 on every CPU: embeddings are compared with fp32 references
+    # (transformers within 1e-5 cosine); bf16 is an explicit --dtype bfloat16.
+    exact_on_cpu = True
     default_pooling_type = "CLS"
     hf_prefix = ""              # where the encoder's tensors live in the checkpoint ("bert." under a head)
 
@@ -116,10 +119,6 @@ class BertModel(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.shape.hidden_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.shape.max_position
 
     def supported_tasks(self) -> tuple[str, ...]:
         return ("embed", "token_embed")
@@ -171,8 +170,7 @@ class BertModel(nn.Module):
     def _ignored(self, name: str) -> bool:
         # position_ids: a derived buffer; pooler.*: BERT's next-sentence pooler and cls.*: the
         # pre-training heads (a BertForMaskedLM/BertForPreTraining export), unused for embeddings.
-        return (name.endswith("embeddings.position_ids") or name.startswith(("pooler.", "cls."))
-                or (name.startswith("bert.pooler.")))
+        return name.endswith("embeddings.position_ids") or name.startswith(("pooler.", "cls."))
 
     def _named(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The plain encoder also loads exports of a head model (`bert.`-prefixed names)."""
