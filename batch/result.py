@@ -51,7 +51,7 @@ class BatchResult:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(o.prompt_token_ids or []) for o in self.outputs)
+        return sum(getattr(o, "num_prompt_tokens", None) or len(o.prompt_token_ids or []) for o in self.outputs)
 
     @property
     def generated_tokens(self) -> int:

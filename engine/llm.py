@@ -12,7 +12,6 @@ Every prompt is checked before any runs: one bad prompt raises and nothing is le
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +39,7 @@ class LLM:
                  block_size: int = 16, seed: int = 0, generation_config: str = "auto", device: str = "auto",
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
                  num_threads: int | None = None, io_processor_plugin: str | None = None,
-                 quiet: bool = False) -> None:
+                 io_processor_options: dict[str, Any] | None = None, quiet: bool = False) -> None:
         model_cfg = ModelConfig(model=str(model), tokenizer=tokenizer, dtype=dtype, weight_dtype=weight_dtype,
                                 max_model_len=max_model_len,
                                 seed=seed, generation_config=generation_config, device=device,
@@ -55,18 +54,20 @@ class LLM:
                                     max_model_len=max_model_len or 1)
         self.engine = LLMEngine(EngineConfig(model_cfg, cache_cfg, sched_cfg), quiet=quiet)
         self._counter = 0
-        self.io_processor = self._load_plugin(str(model), io_processor_plugin)
+        self.io_processor = self._load_plugin(str(model), io_processor_plugin, io_processor_options or {})
 
-    def _load_plugin(self, model: str, explicit: str | None):
+    def _load_plugin(self, model: str, explicit: str | None, options: dict[str, Any]):
         """The IO processor plugin: `io_processor_plugin`, else the model config's key (io_plugins/registry.py)."""
         from ..io_plugins.interface import PluginConfig
         from ..io_plugins.registry import build_plugin, select_plugin
 
         name = select_plugin(explicit, self.engine.hf_config)
         if name is None:
+            if options:
+                raise ConfigError("io_processor_options", "given, but no IO processor plugin is chosen")
             return None
         return build_plugin(name, PluginConfig(model=model, model_path=self.engine.model_path,
-                                               hf_config=self.engine.hf_config))
+                                               hf_config=self.engine.hf_config, options=dict(options)))
 
     # ------------------------------------------------------------------ info
     def get_tokenizer(self):
@@ -126,9 +127,15 @@ class LLM:
         """Run a pooling model; `.outputs.data` is the pooler's tensor. The task comes from
         `pooling_task` or the params (vLLM requires one; embed/classify/score set it for you)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        if self.io_processor is not None and pooling_task in (None, "plugin"):
+        # With a plugin, payloads go through it; prompts already in the engine's form go straight in.
+        engine_form = all(isinstance(p, dict) and ("multi_modal_data" in p or "prompt_token_ids" in p)
+                          for p in prompts)
+        if self.io_processor is not None and pooling_task in (None, "plugin") and not engine_form:
             return self._encode_with_plugin(prompts, pooling_params)
         params = self._pooling_params_list(pooling_params, len(prompts), truncate_prompt_tokens)
+        info = self.engine.pooling_info
+        if pooling_task is None and info is not None and len(info.supported_tasks) == 1:
+            pooling_task = info.supported_tasks[0]       # a model with one task (a tile model's "plugin")
         if pooling_task is None and any(p.task is None for p in params):
             raise UnsupportedTaskError("LLM.encode needs pooling_task (embed, classify, score, token_embed, ...)",
                                        hint="or use LLM.embed / LLM.classify / LLM.score")
@@ -145,6 +152,8 @@ class LLM:
                 limits.setdefault(limit, []).append(i)
         out = list(prompts)
         tok = self.engine.tokenizer
+        if tok is None:           # a tensor model: the engine names what a prompt must be
+            return out
         for limit, rows in limits.items():
             texts = [prompts[i] if isinstance(prompts[i], str) else prompts[i]["prompt"] for i in rows]
             cut = {} if limit is None else {"truncation": True, "max_length": limit}

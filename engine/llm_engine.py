@@ -20,13 +20,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from transformers import AutoConfig
-
 from .config import EngineConfig
 from .device import resolve_device, resolve_dtype
-from .errors import ConfigError, InputError, ModelLoadError, UnsupportedTaskError
+from .errors import ConfigError, InputError, UnsupportedTaskError
 from .generation_config import load_generation_defaults
 from .model_runner import ModelRunner
+from .models.hf_config import load_hf_config
 from .models.pooling_config import read_pooler_config
 from .models.registry import get_model_class, is_pooling_model
 from .models.resolve import resolve_model
@@ -60,6 +59,10 @@ class EngineStats:
     prefix_cache_hits: int = 0         # of those, tokens found
 
 
+# A tensor model's default max_model_len (its largest input's cost): a 1,440 x 1,440 Prithvi tile.
+TENSOR_DEFAULT_MAX_LEN = 8192
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, quiet: bool = False) -> None:
         config.validate()
@@ -67,11 +70,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         resolved = resolve_model(config.model.model, quiet=quiet)
         self.model_path = resolved.path
-        try:
-            self.hf_config = AutoConfig.from_pretrained(str(self.model_path), trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot read the model config in {self.model_path}: {e}") from e
-        self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
+        self.hf_config = load_hf_config(self.model_path)
+        model_cls = get_model_class(self.hf_config)
+        # A model that takes tensors (a Prithvi tile) has no tokenizer unless one is named.
+        takes_tokens = getattr(model_cls, "input_kind", "tokens") == "tokens"
+        self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path) \
+            if takes_tokens or config.model.tokenizer else None
         self.is_pooling_model = is_pooling_model(self.hf_config)
         self.generation_defaults = load_generation_defaults(self.model_path, config.model.generation_config)
         config = self._fill_model_limits(config)
@@ -83,7 +87,7 @@ class LLMEngine:
         runner_cls = PoolingModelRunner if self.is_pooling_model else ModelRunner
         runner = runner_cls(config, self.hf_config, self.model_path, self.device, self.dtype)
         runner.load_model()
-        self._assemble(config, runner, self.tokenizer, vocab_size=int(self.hf_config.vocab_size),
+        self._assemble(config, runner, self.tokenizer, vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or 0),
                        eos_token_ids=self._eos_token_ids(), model_name=resolved.name)
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1fs: %s on %s/%s, %s", self.startup_seconds, config.model.model,
@@ -123,9 +127,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ set-up helpers
     def _fill_model_limits(self, config: EngineConfig) -> EngineConfig:
-        model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+        cls = get_model_class(self.hf_config)
+        # A tensor model's limit is its own (Prithvi: patches per tile; the position table interpolates).
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or getattr(cls, "max_input_cost", 0)
+                        or 2048)
         default = model_max
-        if self.is_pooling_model:   # sentence-transformers folders say what length the model was trained for
+        if getattr(cls, "input_kind", "tokens") == "tensors":
+            default = min(model_max, TENSOR_DEFAULT_MAX_LEN)
+        elif self.is_pooling_model:   # sentence-transformers folders say what length the model was trained for
             pooler = read_pooler_config(self.model_path, get_model_class(self.hf_config).default_pooling_type)
             default = min(model_max, pooler.max_seq_length or model_max)
         max_len = config.model.max_model_len or default
@@ -149,8 +158,9 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = list(self.generation_defaults.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
-            ids.append(int(self.tokenizer.eos_token_id))
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None and eos not in ids:
+            ids.append(int(eos))
         return tuple(ids)
 
     @property
@@ -232,6 +242,11 @@ class LLMEngine:
             raise UnsupportedTaskError("a pooling request needs a task (embed, classify, score, token_embed, ...)",
                                        hint="use LLM.embed / classify / score, or encode(..., pooling_task=...)")
         params = params.verify(task, self.pooling_info)
+        if self.runner_takes_tensors:
+            return [self._tensor_request(request_id, prompt, params)]
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            raise InputError(f"{self.config.model.model} reads text (token ids), not multi_modal_data",
+                             field="multi_modal_data")
         limit = params.truncate_prompt_tokens
         limit = self.max_model_len if limit == -1 else limit
         _, ids = self.tokenize(prompt, max_length=limit)
@@ -247,6 +262,24 @@ class LLMEngine:
                 inputs["token_type_ids"] = inputs["token_type_ids"][-limit:]
         return [Request(request_id=request_id, prompt_token_ids=ids, sampling_params=None, max_tokens=0,
                         parent_id=request_id, pooling_params=params, model_inputs=inputs)]
+
+    def _tensor_request(self, request_id: str, prompt: PromptInput, params: PoolingParams) -> Request:
+        """A prompt of named tensors (vLLM's `{"multi_modal_data": {"pixel_values": ...}}`) for a model
+        without tokens: the model checks them and declares their scheduling cost (Prithvi: patches)."""
+        if not (isinstance(prompt, dict) and isinstance(prompt.get("multi_modal_data"), dict)):
+            got = "text" if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt) \
+                else type(prompt).__name__
+            raise InputError(f"{self.config.model.model} takes tensors: a prompt must be "
+                             f"{{'multi_modal_data': {{name: tensor, ...}}}}, got {got}", field="multi_modal_data")
+        if params.truncate_prompt_tokens is not None:
+            raise InputError("does not apply to a tensor prompt", field="truncate_prompt_tokens")
+        inputs, cost = self.runner.check_tensor_inputs(prompt["multi_modal_data"])
+        return Request(request_id=request_id, prompt_token_ids=[], sampling_params=None, max_tokens=0,
+                       parent_id=request_id, pooling_params=params, model_inputs=inputs, input_cost=cost)
+
+    @property
+    def runner_takes_tensors(self) -> bool:
+        return getattr(self.runner, "takes_tensors", False)
 
     def abort_request(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         child_ids = self.output_processor.child_ids(request_id)

@@ -204,7 +204,8 @@ def _pooling_output(state: _PoolingState, data: Any, error: str | None) -> Pooli
     return PoolingRequestOutput(
         request_id=state.request_id, outputs=PoolingOutput(data if data is not None else torch.empty(0)),
         prompt_token_ids=list(r.prompt_token_ids), finished=True, prompt=state.prompt,
-        num_cached_tokens=max(r.num_cached_tokens, 0), metrics=m, error=error, extra=state.extra)
+        num_cached_tokens=max(r.num_cached_tokens, 0), metrics=m, error=error, extra=state.extra,
+        input_cost=r.input_cost)
 
 
 def _min(a: float | None, b: float | None) -> float | None:

@@ -36,10 +36,11 @@ class PoolingRequestOutput(Generic[T]):
     metrics: RequestMetrics | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    input_cost: int | None = None     # a tensor prompt's cost (Prithvi: patches); None: its token count
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.prompt_token_ids) if self.input_cost is None else self.input_cost
 
 
 @dataclass

@@ -5,6 +5,8 @@ The ModelRunner of models whose class says `needs_kv_cache = False`, chosen by t
 (allocates nothing, returns 0 blocks, so the scheduler uses NoKVCache), then
 `execute_model(SchedulerOutput) -> ModelRunnerOutput` each step, whose `pooler_outputs` hold one
 result tensor per scheduled request. Each request runs whole in one step (pooling is never chunked).
+Token models (BERT) take packed token ids and go through the Pooler; tensor models (Prithvi) take
+each request's named tensors, stacked by shape, and pool their own outputs (`model.pool`).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class PoolingModelRunner:
         self.pooler: Pooler | None = None
         self.pooler_config: PoolerConfig | None = None
         self.load_seconds = 0.0
+        self.takes_tensors = False
         if device.type == "cpu":
             torch.set_num_threads(cpu_thread_count(config.model.num_threads))
 
@@ -65,9 +68,14 @@ class PoolingModelRunner:
         model.load_weights(iter_weights(self.model_path))
         model.finalize_weights()
         self.model = model.eval()
-        self.pooler_config = read_pooler_config(self.model_path, cls.default_pooling_type)
-        self.pooler = Pooler(self.pooler_config, classify=getattr(model, "classify", None))
-        logger.info("ops %s; pooling %s (%s)", self.ops.name, self.pooler_config.pooling_type, self.pooler_config.source)
+        self.takes_tensors = getattr(cls, "input_kind", "tokens") == "tensors"
+        if self.takes_tensors:
+            logger.info("ops %s; tensor inputs (%s)", self.ops.name, ", ".join(cls.input_names))
+        else:
+            self.pooler_config = read_pooler_config(self.model_path, cls.default_pooling_type)
+            self.pooler = Pooler(self.pooler_config, classify=getattr(model, "classify", None))
+            logger.info("ops %s; pooling %s (%s)", self.ops.name, self.pooler_config.pooling_type,
+                        self.pooler_config.source)
         self.load_seconds = time.perf_counter() - t0
 
     def model_info(self, name: str) -> PoolingModelInfo:
@@ -77,6 +85,10 @@ class PoolingModelRunner:
                                 hidden_size=self.model.hidden_size,
                                 matryoshka_dimensions=tuple(dims) if dims else None,
                                 is_matryoshka=bool(getattr(cfg, "is_matryoshka", False) or dims))
+
+    def check_tensor_inputs(self, data: dict) -> tuple[dict, int]:
+        """A tensor prompt's inputs, checked by the model, and the cost it declares (InputError if wrong)."""
+        return self.model.check_inputs(data)
 
     def initialize_kv_cache(self) -> int:
         return 0  # an encoder keeps nothing between steps
@@ -89,15 +101,36 @@ class PoolingModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        results: list[torch.Tensor] = []
-        for part in _sub_batches(sched, SUB_BATCH_TOKENS):
-            batch = prepare_encoder_batch(part, self.device)
-            hidden = self.model(batch)                                                   # [T, H]
-            results += self.pooler(hidden, batch.seq_lens, [s.request.pooling_params for s in part.scheduled])
+        if self.takes_tensors:
+            results = self._execute_tensors(sched)
+        else:
+            results = []
+            for part in _sub_batches(sched, SUB_BATCH_TOKENS):
+                batch = prepare_encoder_batch(part, self.device)
+                hidden = self.model(batch)                                               # [T, H]
+                results += self.pooler(hidden, batch.seq_lens, [s.request.pooling_params for s in part.scheduled])
         return ModelRunnerOutput(
             req_ids=tuple(s.request.request_id for s in sched.scheduled),
             sampled_token_ids=tuple(() for _ in sched.scheduled),
             pooler_outputs=tuple(results))
+
+
+    def _execute_tensors(self, sched: SchedulerOutput) -> list[torch.Tensor]:
+        """Same-shaped requests stack into batches of about `sub_batch_cost` tokens; results in step order."""
+        model = self.model
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(sched.scheduled):
+            groups.setdefault(model.batch_key(s.request.model_inputs), []).append(i)
+        results: list[torch.Tensor | None] = [None] * len(sched.scheduled)
+        cap = getattr(model, "sub_batch_cost", SUB_BATCH_TOKENS)
+        for rows in groups.values():
+            per = max(1, cap // max(1, sched.scheduled[rows[0]].num_new_tokens))
+            for start in range(0, len(rows), per):
+                part = rows[start:start + per]
+                out = model.forward_batch([sched.scheduled[i].request.model_inputs for i in part])
+                for i, o in zip(part, out):
+                    results[i] = model.pool(o, sched.scheduled[i].request.pooling_params.use_activation).cpu()
+        return results
 
 
 def _sub_batches(sched: SchedulerOutput, max_tokens: int) -> list[SchedulerOutput]:

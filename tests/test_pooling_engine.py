@@ -207,3 +207,41 @@ def test_admit_bounds_pulls_but_never_deadlocks_with_nothing_in_flight():
             yield r
     results = list(engine.stream(source(), max_in_flight=8, admit=lambda: False))
     assert len(results) == 4 and pulled == ["r0", "r1", "r2", "r3"]
+
+
+class FakeTensorRunner(FakePoolingRunner):
+    """A model that takes tensors: its cost is the tensor's element count; outputs echo the sum."""
+
+    takes_tensors = True
+
+    def model_info(self, name):
+        return PoolingModelInfo(name=name, supported_tasks=("plugin",), hidden_size=2)
+
+    def check_tensor_inputs(self, data):
+        x = torch.as_tensor(data["x"], dtype=torch.float32)
+        return {"x": x}, int(x.numel())
+
+    def execute_model(self, sched):
+        self.steps.append(tuple(s.request.request_id for s in sched.scheduled))
+        for s in sched.scheduled:
+            assert s.num_new_tokens == s.request.input_cost and s.request.prompt_token_ids == []
+        outs = tuple(s.request.model_inputs["x"].sum().reshape(1) for s in sched.scheduled)
+        return ModelRunnerOutput(req_ids=tuple(s.request.request_id for s in sched.scheduled),
+                                 sampled_token_ids=tuple(() for _ in sched.scheduled), pooler_outputs=outs)
+
+
+def test_tensor_requests_are_budgeted_by_the_cost_the_model_declares():
+    runner = FakeTensorRunner()
+    engine = make_engine(runner, max_model_len=8, budget=10)
+    sizes = {"a": 6, "b": 6, "c": 3, "d": 1}
+    for rid, n in sizes.items():
+        engine.add_request(rid, {"multi_modal_data": {"x": [1.0] * n}}, PoolingParams(), pooling_task="plugin")
+    done = run_all(engine)
+    assert runner.steps == [("a",), ("b", "c", "d")]        # 6 + 6 > 10: b waits for the next step
+    assert {k: float(v.outputs.data) for k, v in done.items()} == {k: float(n) for k, n in sizes.items()}
+    assert done["a"].num_prompt_tokens == 6 and done["a"].prompt_token_ids == []
+    with pytest.raises(InputError, match="max_model_len"):
+        engine.add_request("e", {"multi_modal_data": {"x": [1.0] * 9}}, PoolingParams(), pooling_task="plugin")
+    with pytest.raises(InputError, match="takes tensors"):
+        engine.add_request("f", "a text prompt", PoolingParams(), pooling_task="plugin")
+    assert not engine.has_unfinished_requests()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -241,6 +241,7 @@ class PrithviSegmentation(nn.Module):
         self.encoder = PrithviViT(config, self.ops)
         self.decoder = UperNetDecoder(config)
         self.head = SegmentationHead(config)
+        self.channels_last = False       # the decoder's layout (finalize_weights picks it)
         self.requires_grad_(False)
         self.eval()
 
@@ -258,10 +259,14 @@ class PrithviSegmentation(nn.Module):
         h, w = pixels.shape[-2:]
         m = self.pad_multiple
         ph, pw = (m - h % m) % m, (m - w % m) % m
-        padded = F.pad(pixels, (0, pw, 0, ph), mode="reflect") if ph or pw else pixels
+        # Reflect as terratorch does; a tile smaller than its padding repeats its edge instead.
+        mode = "reflect" if ph < h and pw < w else "replicate"
+        padded = F.pad(pixels, (0, pw, 0, ph), mode=mode) if ph or pw else pixels
         feats = self.encoder(padded, temporal_coords, location_coords)
         grid = (padded.shape[-2] // self.config.patch_size[1], padded.shape[-1] // self.config.patch_size[2])
         images = [f[:, 1:].transpose(1, 2).reshape(f.shape[0], f.shape[2], *grid) for f in feats]  # [B, D, h, w]
+        if self.channels_last:
+            images = [x.contiguous(memory_format=torch.channels_last) for x in images]
         logits = self.head(self.decoder(images))
         if self.config.rescale and logits.shape[-2:] != padded.shape[-2:]:
             logits = _resize(logits, padded.shape[-2:], align_corners=False)
@@ -290,6 +295,11 @@ class PrithviSegmentation(nn.Module):
 
     @torch.no_grad()
     def finalize_weights(self) -> None:
+        # oneDNN's convolutions run ~25% faster on NHWC (measured here: the 300M decoder, 2 threads).
+        if self.ops.name != "reference" and next(self.decoder.parameters()).device.type == "cpu":
+            self.decoder.to(memory_format=torch.channels_last)
+            self.head.to(memory_format=torch.channels_last)
+            self.channels_last = True
         for block in self.encoder.blocks:
             block.attn.qkv = self.ops.pack_linear(block.attn.qkv)
             block.attn.proj = self.ops.pack_linear(block.attn.proj)

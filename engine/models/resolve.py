@@ -21,6 +21,7 @@ from ..errors import ModelLoadError
 from .catalogue import CATALOGUE, CatalogueEntry, catalogue_names
 from .convert import MARKER, convert_gguf
 from .fetch import entry_file
+from .weights import weight_files
 
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja",
@@ -58,7 +59,7 @@ def _converted_dir(cache: Path, label: str, key: str) -> Path:
 
 
 def _has_weights(folder: Path) -> bool:
-    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+    return bool(weight_files(folder))
 
 
 def _check_hf_folder(folder: Path) -> None:
@@ -66,7 +67,7 @@ def _check_hf_folder(folder: Path) -> None:
         raise ModelLoadError(f"{folder} has no config.json, so it is not a Hugging Face model folder",
                              hint="pass a folder with config.json, *.safetensors and tokenizer files, or a .gguf file")
     if not _has_weights(folder):
-        raise ModelLoadError(f"{folder} has config.json but no *.safetensors or pytorch_model*.bin weights",
+        raise ModelLoadError(f"{folder} has config.json but no weights (*.safetensors, pytorch_model*.bin or one *.pt/*.ckpt)",
                              hint="copy the weight files next to config.json")
 
 
@@ -94,6 +95,12 @@ def _drop(folder: Path) -> None:
 
 
 def _resolve_catalogue(entry: CatalogueEntry, cache: Path, *, quiet: bool, force: bool) -> ResolvedModel:
+    if entry.kind == "bundled":
+        from importlib.resources import files
+
+        folder = Path(str(files("vbatch.sample_data").joinpath(entry.file)))
+        _check_hf_folder(folder)
+        return ResolvedModel(name=entry.name, path=folder, source="catalogue")
     if entry.kind == "hf_folder":
         folder = entry_file(entry, cache, quiet=quiet)
         _check_hf_folder(folder)

@@ -2,7 +2,8 @@
 
 Called by the model loader (it maps HF names onto vbatch modules). Reads *.safetensors with
 `safe_open` (memory-mapped: a tensor is materialised only when asked for) and falls back to
-`pytorch_model*.bin` through `torch.load(weights_only=True)`, which never runs pickled code.
+`pytorch_model*.bin`, then to one training checkpoint (`*.pt` / `*.ckpt` / `*.pth`: a terratorch
+or Lightning folder), through `torch.load(weights_only=True)`, which never runs pickled code.
 """
 from __future__ import annotations
 
@@ -14,12 +15,22 @@ import torch
 from ..errors import ModelLoadError
 
 
+CHECKPOINT_SUFFIXES = (".pt", ".ckpt", ".pth")
+
+
 def weight_files(folder: Path) -> list[Path]:
-    """The folder's weight files, safetensors preferred (a folder with both never mixes them)."""
+    """The folder's weight files, safetensors preferred (a folder with both never mixes them), then
+    pytorch_model*.bin, then its one training checkpoint (two are ambiguous: a ModelLoadError)."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         files = sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        files = sorted(f for f in folder.iterdir() if f.suffix in CHECKPOINT_SUFFIXES and f.is_file()) \
+            if folder.is_dir() else []
+        if len(files) > 1:
+            raise ModelLoadError(f"{folder} holds {len(files)} checkpoints ({', '.join(f.name for f in files)}); "
+                                 "which one is the model is ambiguous", hint="keep one checkpoint in the folder")
     return files
 
 
@@ -27,7 +38,7 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) for every tensor in the folder's weight files, on the CPU."""
     files = weight_files(folder)
     if not files:
-        raise ModelLoadError(f"{folder} has no *.safetensors or pytorch_model*.bin files",
+        raise ModelLoadError(f"{folder} has no *.safetensors, pytorch_model*.bin or *.pt/*.ckpt files",
                              hint="pass a Hugging Face model folder, a .gguf file or a catalogue name")
     for file in files:
         if file.suffix == ".safetensors":
