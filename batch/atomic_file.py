@@ -71,3 +71,14 @@ def fsync_dir(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def write_file_atomically(path: str, data: bytes) -> None:
+    """A whole file in one go: written at PATH.partial, renamed onto PATH (never half there)."""
+    out = AtomicFile(path)
+    try:
+        out.write(data)
+    except BaseException:
+        out.abandon()
+        raise
+    out.commit()

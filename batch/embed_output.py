@@ -79,3 +79,39 @@ def embeddings_body(result: BatchResult, default_model: str) -> dict[str, Any]:
     return {"id": f"embd-{time.time_ns():x}", "object": "list", "created": int(time.time()),
             "model": (meta.model if meta is not None else None) or default_model, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+# ---------------------------------------------------------------------------- vbatch encode
+ENCODE_FIELDS = ("id", "data", "num_tokens", "error")
+
+
+def encode_record(result: BatchResult) -> dict[str, Any]:
+    """`vbatch encode` (no plugin): the pooler's tensor as nested lists (a vector, per-token rows, a
+    segmentation's [classes, H, W] logits), `num_tokens` the request's cost (tokens, or a tile's patches)."""
+    outs = _outputs(result)
+    if result.error_message is not None or not outs:
+        return {"id": result.id, "data": None, "num_tokens": None, "error": result.error_message}
+    (out,) = outs
+    data = out.outputs.data
+    return {"id": result.id, "data": data.float().tolist() if hasattr(data, "float") else data,
+            "num_tokens": result.prompt_tokens, "error": None}
+
+
+def parquet_encode_schema() -> Any:
+    """Parquet rows: the tensor flattened (row-major float32) with its shape beside it."""
+    import pyarrow as pa
+
+    return pa.schema([("id", pa.string()), ("data", pa.list_(pa.float32())), ("shape", pa.list_(pa.int64())),
+                      ("num_tokens", pa.int64()), ("error", pa.string())])
+
+
+def to_encode_row(record: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+
+    row = {k: record.get(k) for k in ENCODE_FIELDS}
+    if row["data"] is not None:
+        array = np.asarray(row["data"], dtype=np.float32)
+        row["data"], row["shape"] = array.reshape(-1).tolist(), list(array.shape)
+    else:
+        row["shape"] = None
+    return row

@@ -46,6 +46,26 @@ def _check_pooling(overrides: Any, name: str) -> tuple[str, str] | None:
     return None
 
 
+def parse_encode_plain(obj: Any, line: int, *, file: str, default_id: str) -> BatchRecord | RecordError:
+    """`vbatch encode` records: an embed record, or `multi_modal_data` (named tensors, nested lists)
+    for a model that takes tensors; the engine checks the tensors' names and shapes."""
+    if isinstance(obj, dict) and obj.get("multi_modal_data") is not None:
+        rid, problem = record_id(obj, default_id)
+        if problem is not None:
+            return RecordError(id=None, line=line, field=problem[0], message=problem[1], file=file)
+        present = [k for k in TEXT_FIELDS if obj.get(k) is not None]
+        data = obj["multi_modal_data"]
+        if present or not isinstance(data, dict) or not data:
+            why = (f"and {present[0]} cannot both be given" if present else
+                   f"must be an object of named tensors, got {type_name(data)}")
+            return RecordError(id=rid, line=line, field="multi_modal_data", message=why, file=file)
+        if obj.get("pooling_params") is not None:
+            return RecordError(id=rid, line=line, field="pooling_params", file=file,
+                               message="per-record pooling fields apply to text records only")
+        return BatchRecord(id=rid, line=line, kind="tensors", multi_modal_data=dict(data))
+    return parse_embed_plain(obj, line, file=file, default_id=default_id)
+
+
 def parse_embed_plain(obj: Any, line: int, *, file: str, default_id: str) -> BatchRecord | RecordError:
     def error(field: str, message: str, rid: str | None = None) -> RecordError:
         return RecordError(id=rid, line=line, field=field, message=message, file=file)

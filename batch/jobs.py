@@ -48,12 +48,14 @@ class GenerateJob:
 
 
 @dataclass(frozen=True)
-class EmbedJob:
-    """`vbatch embed`: one embedding per record (PoolingParams from the command line, a record's
-    own `dimensions` / `normalize` / `truncate_prompt_tokens` on top)."""
+class PoolingJob:
+    """`vbatch embed` (task embed) and `vbatch encode` (any pooling task): one pooling request per
+    input (PoolingParams from the command line, a record's own `dimensions` / `normalize` /
+    `truncate_prompt_tokens` on top)."""
 
     params: PoolingParams = PoolingParams()
+    task: str = "embed"
 
     def requests_for(self, record: BatchRecord) -> list[tuple[Any, Any, str | None]]:
         params = self.params.replace(**record.pooling_overrides) if record.pooling_overrides else self.params
-        return [(prompt, params, "embed") for prompt in record.engine_prompts()]
+        return [(prompt, params, self.task) for prompt in record.engine_prompts()]

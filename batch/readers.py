@@ -18,13 +18,13 @@ from typing import IO, Any, Literal
 
 from ..engine.errors import InputError
 
-from .embed_record import parse_embed_openai, parse_embed_plain
+from .embed_record import parse_embed_openai, parse_embed_plain, parse_encode_plain
 from .openai_input import is_openai_line, parse_openai
 from .plain_record import parse_plain
 from .record import BatchRecord, RecordError
 
 InputFormat = Literal["jsonl", "parquet", "openai"]
-ReaderKind = Literal["generate", "embed"]
+ReaderKind = Literal["generate", "embed", "encode"]
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_MAGIC = b"PAR1"
 _PARQUET_BATCH_ROWS = 1024
@@ -35,7 +35,7 @@ class RecordReader:
 
     def __init__(self, path: str, *, sampling_defaults: dict[str, Any] | None = None,
                  stdin: IO[bytes] | None = None, kind: ReaderKind = "generate") -> None:
-        assert kind in ("generate", "embed"), kind
+        assert kind in ("generate", "embed", "encode"), kind
         self.path = path
         self.kind = kind
         self.name = "<stdin>" if path == "-" else path
@@ -121,11 +121,16 @@ class RecordReader:
                 yield self._parse_plain(obj, line, str(line))
 
     def _parse_plain(self, obj: Any, line: int, default_id: str) -> BatchRecord | RecordError:
+        if self.kind == "encode":
+            return parse_encode_plain(obj, line, file=self.name, default_id=default_id)
         if self.kind == "embed":
             return parse_embed_plain(obj, line, file=self.name, default_id=default_id)
         return parse_plain(obj, line, file=self.name, default_id=default_id, sampling_defaults=self.sampling_defaults)
 
     def _parse_openai(self, obj: Any, line: int) -> BatchRecord | RecordError:
+        if self.kind == "encode":
+            return RecordError(id=None, line=line, field="record", file=self.name,
+                               message="vbatch encode reads plain records (OpenAI Batch lines go to vbatch run / embed)")
         if self.kind == "embed":
             return parse_embed_openai(obj, line, file=self.name)
         return parse_openai(obj, line, file=self.name, sampling_defaults=self.sampling_defaults)

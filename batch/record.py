@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-RecordKind = Literal["prompt", "messages", "token_ids"]
+RecordKind = Literal["prompt", "messages", "token_ids", "tensors"]
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,15 @@ class BatchRecord:
     pooling_overrides: dict[str, Any] = field(default_factory=dict)   # embed records: PoolingParams fields
     openai: OpenAIMeta | None = None
     inputs: tuple[Any, ...] | None = None   # several inputs in one record (an embeddings line): texts or id lists
+    multi_modal_data: dict[str, Any] | None = None   # kind "tensors": named tensors (nested lists) for the model
 
     def engine_prompt(self) -> dict[str, Any]:
         """The `add_request` prompt for kinds that need no chat template."""
         assert self.kind != "messages", "messages need the chat template first"
         if self.kind == "token_ids":
             return {"prompt_token_ids": list(self.prompt_token_ids or [])}
+        if self.kind == "tensors":
+            return {"multi_modal_data": dict(self.multi_modal_data or {})}
         return {"prompt": self.prompt}
 
     def engine_prompts(self) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 Data flow: reader -> job (record -> prompt, params) -> `llm.stream` (the engine's streaming results
 API, engine/output_stream.py) -> ReorderWindow -> writer. Called by `vbatch run` (GenerateJob) and
-`vbatch embed` (EmbedJob): one loop for every kind of batch job. A record may become several
+`vbatch embed` (PoolingJob): one loop for every kind of batch job. A record may become several
 requests (an OpenAI embeddings line with several inputs): its result waits until all are in.
 
 The stream adds requests while fewer than `max_in_flight` are in the engine and fewer than

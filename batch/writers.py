@@ -26,7 +26,8 @@ from typing import Any, BinaryIO, Protocol
 from ..engine.errors import ConfigError
 
 from .atomic_file import AtomicFile, fsync_dir
-from .embed_output import embed_record, embedding_width, embeddings_body, parquet_embed_schema, to_embed_row
+from .embed_output import (embed_record, embedding_width, embeddings_body, encode_record, parquet_embed_schema,
+                           parquet_encode_schema, to_embed_row, to_encode_row)
 from .openai_output import batch_output_line
 from .result import BatchResult
 
@@ -63,7 +64,7 @@ class _LineWriter:
 
     def __init__(self, path: str, *, append: bool = False, sync_every: int = 64,
                  sync_seconds: float = 5.0, records: str = "generate") -> None:
-        assert records in ("generate", "embed"), records
+        assert records in ("generate", "embed", "encode"), records
         self.path = path
         self.records = records
         self.sync_every, self.sync_seconds = sync_every, sync_seconds
@@ -74,6 +75,8 @@ class _LineWriter:
         self.num_written = 0
 
     def to_line(self, result: BatchResult) -> dict[str, Any]:
+        if self.records == "encode":
+            return encode_record(result)
         return embed_record(result) if self.records == "embed" else output_record(result)
 
     def write(self, result: BatchResult) -> None:
@@ -160,6 +163,8 @@ def jsonl_to_parquet(source: str, path: str, *, row_group_size: int = 1024, reco
 
     if records == "embed":
         schema, to_parquet_row = parquet_embed_schema(embedding_width(source)), to_embed_row
+    elif records == "encode":
+        schema, to_parquet_row = parquet_encode_schema(), to_encode_row
     else:
         schema = parquet_schema()
     tmp = path + ".converting"

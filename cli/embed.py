@@ -53,7 +53,7 @@ def embed(
 
     A killed or interrupted run leaves OUT.partial; the same command resumes it.
     """
-    from ..batch.jobs import EmbedJob
+    from ..batch.jobs import PoolingJob
     from ..engine.errors import ConfigError, PoolingParamsError
     from ..engine.pooling_params import PoolingParams
 
@@ -73,7 +73,7 @@ def embed(
     spec = JobSpec(
         command="embed", file=file, output=output, model=model, engine_kwargs=kwargs,
         output_options={"model": model, "dtype": dtype, "max_model_len": max_model_len, "pooling": pooling},
-        make_job=lambda llm: EmbedJob(params), pooling=True, reader_kind="embed", record_kind="embed",
+        make_job=lambda llm: PoolingJob(params, "embed"), pooling=True, reader_kind="embed", record_kind="embed",
         max_in_flight=max_in_flight or 4 * (max_num_seqs or 256), metrics_json=metrics_json,
         on_error="fail" if strict else on_error, shard=shard, resume=resume, overwrite=overwrite)
     run_job(spec, lambda name, kw: run_cmd.load_llm(name, kw))  # the one seam where tests replace the engine

@@ -11,12 +11,13 @@ import typer
 
 from .. import __version__
 
-from . import bench, embed, merge, models, run, validate
+from . import bench, embed, encode, merge, models, run, validate
 from .errors import EXIT_CODES_HELP, set_debug
 
 app = typer.Typer(
     name="vbatch",
-    help="Offline batch inference: JSONL / Parquet / OpenAI Batch files in, generations or embeddings out.",
+    help="Offline batch inference: JSONL / Parquet / OpenAI Batch files in, generations or embeddings out; "
+         "GeoTIFF tiles in, flood maps out (vbatch encode --plugin prithvi).",
     epilog=EXIT_CODES_HELP,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -42,6 +43,7 @@ def _global(
 
 app.command("run", epilog=EXIT_CODES_HELP)(run.run)
 app.command("embed", epilog=EXIT_CODES_HELP)(embed.embed)
+app.command("encode", epilog=EXIT_CODES_HELP)(encode.encode)
 app.command("validate", epilog=EXIT_CODES_HELP)(validate.validate)
 app.command("merge", epilog=EXIT_CODES_HELP)(merge.merge)
 app.add_typer(models.app, name="models")

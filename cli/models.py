@@ -37,7 +37,9 @@ def list_models() -> None:
     table.add_column("description")
     for name in sorted(CATALOGUE):
         entry = CATALOGUE[name]
-        if cached_path is not None and cached_path(name) is not None:
+        if entry.kind == "bundled":
+            state = "bundled"
+        elif cached_path is not None and cached_path(name) is not None:
             state = "converted"
         elif all(installed_package_dir(dist, ver) is not None for dist, ver in entry.packages):
             state = "installed"

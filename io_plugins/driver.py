@@ -95,16 +95,10 @@ def run_plugin(llm: Any, plugin: IOProcessor, inputs: Iterable[PluginInput], *,
         if not state.all_issued or len(state.outputs) < state.num_issued:
             return None
         del open_inputs[n]
-        if state.error is None and state.num_issued == 0:
-            state.error = "pre_process: gave no prompts"
-        if state.error is not None:
-            return PluginResult(state.key, error=state.error, num_requests=state.num_issued)
-        outs = [state.outputs[k] for k in range(state.num_issued)]
         try:
-            output = plugin.post_process(outs, state.context.request_id, context=state.context)
-        except Exception as e:  # noqa: BLE001
-            return PluginResult(state.key, error=f"post_process: {_describe(e)}", num_requests=state.num_issued)
-        return PluginResult(state.key, output=output, num_requests=state.num_issued)
+            return _post_process(plugin, state)
+        finally:
+            _close(state)
 
     def admit() -> bool:
         # An input still issuing its prompts always may go on; a new one waits for room.
@@ -112,15 +106,40 @@ def run_plugin(llm: Any, plugin: IOProcessor, inputs: Iterable[PluginInput], *,
         return issuing or len(open_inputs) < max_open_inputs
 
     stream = llm.stream(requests(), max_in_flight=max_in_flight, should_stop=should_stop, admit=admit)
-    with contextlib.closing(stream):
-        for item in stream:
-            n, k = item.request.context
-            state = open_inputs[n]
-            if k is not None:
-                _record(state, k, item)
-            done = finish(n)
-            if done is not None:
-                yield done
+    try:
+        with contextlib.closing(stream):
+            for item in stream:
+                n, k = item.request.context
+                state = open_inputs[n]
+                if k is not None:
+                    _record(state, k, item)
+                done = finish(n)
+                if done is not None:
+                    yield done
+    finally:                       # stopped early or failed: the inputs still open release what they hold
+        for state in list(open_inputs.values()):
+            _close(state)
+        open_inputs.clear()
+
+
+def _post_process(plugin: IOProcessor, state: _Open) -> PluginResult:
+    if state.error is None and state.num_issued == 0:
+        state.error = "pre_process: gave no prompts"
+    if state.error is not None:
+        return PluginResult(state.key, error=state.error, num_requests=state.num_issued)
+    outs = [state.outputs[k] for k in range(state.num_issued)]
+    try:
+        output = plugin.post_process(outs, state.context.request_id, context=state.context)
+    except Exception as e:  # noqa: BLE001
+        return PluginResult(state.key, error=f"post_process: {_describe(e)}", num_requests=state.num_issued)
+    return PluginResult(state.key, output=output, num_requests=state.num_issued)
+
+
+def _close(state: _Open) -> None:
+    try:
+        state.context.close()
+    except Exception:  # noqa: BLE001  a failing closer must not hide the input's result
+        pass
 
 
 def _record(state: _Open, k: int, item: StreamResult) -> None:

@@ -19,7 +19,7 @@ creates per input and hands to both calls, never onto `self`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -47,6 +47,16 @@ class PluginContext:
 
     request_id: str
     state: dict[str, Any] = field(default_factory=dict)
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def add_closer(self, close: Callable[[], None]) -> None:
+        """Run `close` when the input is done, whether it succeeded or failed (an open file, a temp dir)."""
+        self.closers.append(close)
+
+    def close(self) -> None:
+        """Called once by the driver after post_process, or after the input failed."""
+        while self.closers:
+            self.closers.pop()()
 
 
 class IOProcessor(ABC, Generic[In, Out]):

@@ -33,9 +33,11 @@ def _tiny_folder(path, *, weights="safetensors"):
 def test_catalogue_lists_the_default_and_entries_are_well_formed():
     assert DEFAULT_MODEL == "smollm2-135m-instruct" and DEFAULT_MODEL in CATALOGUE
     for name, entry in CATALOGUE.items():
-        assert entry.name == name and entry.kind in ("gguf", "hf_folder") and entry.packages
+        assert entry.name == name and entry.kind in ("gguf", "hf_folder", "bundled")
+        assert bool(entry.packages) == (entry.kind != "bundled")
         assert not entry.parts or len(entry.parts) == len(entry.packages)
     assert CATALOGUE["all-minilm-l6-v2"].role == "embedding"
+    assert CATALOGUE["prithvi-flood-tiny"].role == "segmentation"
 
 
 def test_cache_root_follows_env(monkeypatch, tmp_path):

@@ -21,9 +21,10 @@ class CatalogueEntry:
     """Path inside the first package's import folder: the .gguf file (kind "gguf") or the
     HF folder (kind "hf_folder"). For split models, the name the assembled file gets."""
     kind: str
-    """"gguf" (converted once into an HF safetensors folder) or "hf_folder" (used as is)."""
+    """"gguf" (converted once into an HF safetensors folder), "hf_folder" (used as is) or "bundled"
+    (a folder inside vbatch's own `sample_data` package: `file` is its path there; no packages)."""
     role: str
-    """"generate" (a causal LM) or "embedding" (a pooling model)."""
+    """"generate" (a causal LM), "embedding" (a pooling model) or "segmentation" (a tile model)."""
     license: str
     description: str
     parts: tuple[str, ...] = field(default=())
@@ -78,6 +79,17 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             license="Apache-2.0",
             description="sentence-transformers all-MiniLM-L6-v2 (BERT, 384-d sentence embeddings; "
                         "mean pooling + L2 norm)",
+        ),
+        CatalogueEntry(
+            name="prithvi-flood-tiny",
+            packages=(),
+            file="models/prithvi-flood-tiny",
+            kind="bundled",
+            role="segmentation",
+            license="Apache-2.0 (trained by vbatch on synthetic tiles)",
+            description="a small Prithvi-EO-2.0-shaped flood segmentation model (6 bands, water / no water) "
+                        "trained on synthetic Sentinel-2-like tiles by tools/train_flood_model.py; the prithvi "
+                        "plugin's default, for trying vbatch encode (not for real flood decisions)",
         ),
     )
 }

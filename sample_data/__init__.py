@@ -1,0 +1,1 @@
+"""Sample inputs and the small bundled models (engine/models/catalogue.py, kind "bundled")."""
