@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from peers_report import machine_facts  # noqa: E402
+from peers_report import machine_facts, write_section  # noqa: E402
 
 SECTION = "## Embeddings: vbatch (LLM.embed) vs sentence-transformers (encode)"
 _MODULES = ("argparse", "collections", "json", "logging", "email", "http", "urllib", "asyncio", "unittest",
@@ -141,20 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"average, max {max(words)}); all-MiniLM-L6-v2; {args.repeats} repetitions, systems alternating; "
                 f"min cosine between the two sets of embeddings {float(cos.min()):.7f}.\n\n{table}\n\n"
                 f"**vbatch ÷ best sentence-transformers ({best_peer}): {ratio:.2f}x** (target 1.5x).\n")
-        write_section(REPO / "docs" / "benchmarks.md", body)
+        write_section(REPO / "docs" / "benchmarks.md", SECTION, body)
     return 0
-
-
-def write_section(path: Path, body: str) -> None:
-    """Replace this script's section of the file (or append it), keeping every other section."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip() + "\n\n" + body
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + ("" if nxt < 0 else text[nxt:])
-    path.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":

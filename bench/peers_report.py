@@ -287,3 +287,15 @@ def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, ar
         existing = path.read_text(encoding="utf-8") if path.exists() else ""
         path.write_text(merge(existing, text), encoding="utf-8")
     return text
+
+
+def write_section(path: Path, section: str, body: str) -> None:
+    """Replace the section titled `section` of the file (or append it), keeping every other section."""
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
+    start = text.find(section)
+    if start < 0:
+        text = text.rstrip() + "\n\n" + body
+    else:
+        nxt = text.find("\n## ", start + len(section))
+        text = text[:start] + body + ("" if nxt < 0 else text[nxt:])
+    path.write_text(text, encoding="utf-8")

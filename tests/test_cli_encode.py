@@ -194,12 +194,16 @@ def test_band_indices_pick_the_model_bands(tmp_path, model_dir):
         assert (x.read() == y.read()).all()
 
 
-def test_rerun_skips_complete_outputs_and_other_options_are_refused(tmp_path, model_dir):
+def tile_folder(tmp_path, n, size):
     tiles = tmp_path / "tiles"
     tiles.mkdir()
-    for i in range(3):
-        write_tile(tiles / f"t{i}.tif", 64, 64, i)
-    out = tmp_path / "out"
+    for i in range(n):
+        write_tile(tiles / f"t{i}.tif", size, size, i)
+    return tiles, tmp_path / "out"
+
+
+def test_rerun_skips_complete_outputs_and_other_options_are_refused(tmp_path, model_dir):
+    tiles, out = tile_folder(tmp_path, 3, 64)
     assert encode("--model", model_dir, tiles, "-o", out).exit_code == 0
     stamp = (out / "t0.tif").stat().st_mtime_ns
     (out / "t1.tif").unlink()
@@ -213,11 +217,7 @@ def test_rerun_skips_complete_outputs_and_other_options_are_refused(tmp_path, mo
 
 
 def test_shards_split_the_files_and_share_the_folder(tmp_path, model_dir):
-    tiles = tmp_path / "tiles"
-    tiles.mkdir()
-    for i in range(5):
-        write_tile(tiles / f"t{i}.tif", 40, 40, i)
-    out = tmp_path / "out"
+    tiles, out = tile_folder(tmp_path, 5, 40)
     assert encode("--model", model_dir, tiles, "-o", out, "--shard", "0/2").exit_code == 0
     assert sorted(p.name for p in out.glob("*.tif")) == ["t0.tif", "t2.tif", "t4.tif"]
     assert encode("--model", model_dir, tiles, "-o", out, "--shard", "1/2").exit_code == 0
