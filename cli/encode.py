@@ -176,12 +176,15 @@ def _encode_files(plugin: str, args: list[str], out_dir: Path, model: str | None
     from .signals import StopSignals
 
     cls = load_plugin_class(plugin)                       # an unknown name lists the installed ones
-    model = model or getattr(cls, "default_model", None)
+    model = model or cls.default_model
     if model is None:
         raise ConfigError("--model", f"the {plugin} plugin has no default model: give --model")
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError("--output", f"{out_dir} is a file; with a plugin -o names a folder")
-    inputs = collect_inputs(args, tuple(getattr(cls, "input_suffixes", (".tif", ".tiff"))))
+    if not cls.input_suffixes and any(Path(a).is_dir() for a in args):
+        raise ConfigError("inputs", f"the {plugin} plugin names no input files to look for in folders: "
+                          "give the files")
+    inputs = collect_inputs(args, cls.input_suffixes)
     the_shard = resolve_shard(shard)
     manifest = {"command": "encode", "plugin": plugin, "model": model, "dtype": kwargs.get("dtype"),
                 "options": plugin_opts}

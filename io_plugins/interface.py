@@ -61,6 +61,8 @@ class PluginContext:
 
 class IOProcessor(ABC, Generic[In, Out]):
     name: ClassVar[str] = ""
+    default_model: ClassVar[str | None] = None        # what `vbatch encode --plugin NAME` runs without --model
+    input_suffixes: ClassVar[tuple[str, ...]] = ()    # the files `vbatch encode` picks from folders
 
     def __init__(self, config: PluginConfig) -> None:
         self.config = config

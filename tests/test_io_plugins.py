@@ -81,6 +81,26 @@ def test_the_installed_plugin_runs_on_the_real_model_from_the_config_key(on_path
         LLM(str(folder), io_processor_plugin="missing", quiet=True)
 
 
+def test_vbatch_encode_runs_a_third_party_plugin_over_a_request_file(on_path, minilm_path, tmp_path):
+    """The CLI is generic over plugins: a .jsonl of the plugin's own records, one result line each."""
+    from typer.testing import CliRunner
+
+    from vbatch.cli.main import app
+    lines = [{"a": "A man is eating food.", "b": "A man is eating a piece of bread.", "request_id": "p1"},
+             {"a": "only one"}]
+    req = tmp_path / "pairs.jsonl"
+    req.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = CliRunner().invoke(app, ["encode", "--plugin", "pair", "--model", str(minilm_path), str(req), "-o",
+                                 str(tmp_path / "out")])
+    assert r.exit_code == 1, r.output
+    got = [json.loads(x) for x in (tmp_path / "out" / "pairs.jsonl").read_text().splitlines()]
+    assert got[0]["request_id"] == "p1" and round(got[0]["cosine"], 4) == 0.7553 and got[0]["error"] is None
+    assert "needs {'a': text, 'b': text}" in got[1]["error"]
+    r = CliRunner().invoke(app, ["encode", "--plugin", "pair", "--model", str(minilm_path), str(tmp_path),
+                                 "-o", str(tmp_path / "o2")])
+    assert r.exit_code == 2 and "names no input files to look for in folders" in r.output
+
+
 # ---------------------------------------------------------------------------- the driver, pure Python
 class Tiles(IOProcessor):
     """Test plugin: an input {"n": k} becomes k one-token prompts (lazily); the output is their sums.
