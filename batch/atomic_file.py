@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
+from .crash_points import crash_point
+
 PARTIAL_SUFFIX = ".partial"
 
 
@@ -45,17 +47,26 @@ class AtomicFile:
         self.sync()
         self.file.close()
         self.closed = True
+        crash_point("commit.before_rename")
         os.replace(self.partial, self.path)
+        crash_point("commit.after_rename")
         fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def abandon(self) -> None:
         """Stop writing; keep the partial file (its whole records survive) and no final file."""
         if self.closed:
             return
+        # A full disk may refuse the last flush too: the records already on disk still survive (a torn
+        # last line is cut by the resume), and the error that brought us here is the one to report.
         try:
             self.sync()
+        except OSError:
+            pass
         finally:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:
+                pass
             self.closed = True
 
 

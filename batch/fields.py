@@ -9,6 +9,7 @@ from typing import Any
 
 from ..engine.errors import SamplingParamsError
 from ..engine.sampling_params import SamplingParams
+from ..engine.tokenizer import non_text_part_message
 
 Problem = tuple[str, str]
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -87,6 +88,8 @@ def check_messages(value: Any, name: str = "messages") -> Problem | None:
                     return f"{where}.content[{j}]", "must be an object with a string 'type'"
                 if part["type"] == "text" and not isinstance(part.get("text"), str):
                     return f"{where}.content[{j}].text", "must be a string"
+                if part["type"] != "text":
+                    return f"{where}.content[{j}]", non_text_part_message(part["type"], "the model")
             continue
         return f"{where}.content", f"must be a string or a non-empty array of content parts, got {type_name(content)}"
     return None

@@ -19,6 +19,7 @@ from typing import Any
 from ..engine.errors import VBatchError
 
 from .atomic_file import fsync_dir
+from .crash_points import crash_point
 
 MANIFEST_SUFFIX = ".manifest.json"
 HEAD_BYTES = 1 << 20
@@ -106,5 +107,6 @@ def write_manifest(output: str, manifest: Manifest) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
+    crash_point("manifest.before_rename")
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))

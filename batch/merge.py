@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .atomic_file import AtomicFile, partial_path
+from .crash_points import crash_point
 from .manifest import Manifest, OutputStateError, input_identity, read_manifest, write_manifest
 from .shard import split_part_path
 
@@ -103,7 +104,20 @@ def _part_rows(path: str, fmt: str) -> Iterator[tuple[Any, Any]]:
 
 
 def merge_parts(paths: list[str], *, input_path: str | None = None, overwrite: bool = False) -> MergeResult:
+    import contextlib
+
+    from .output_lock import output_lock
+
     base, count = find_parts(paths)
+    # The parts it reads and the output it writes, each held (a part still being written: exit 6).
+    with contextlib.ExitStack() as held:
+        held.enter_context(output_lock(base))
+        for i in range(count):
+            held.enter_context(output_lock(f"{base}.part-{i}-of-{count}", what="part"))
+        return _merge_locked(base, count, input_path=input_path, overwrite=overwrite)
+
+
+def _merge_locked(base: str, count: int, *, input_path: str | None, overwrite: bool) -> MergeResult:
     manifests = _check_parts(base, count)
     first = manifests[0]
     if input_path is not None:
@@ -116,9 +130,12 @@ def merge_parts(paths: list[str], *, input_path: str | None = None, overwrite: b
     total = sum(m.num_records or 0 for m in manifests)
     if on_disk is not None and not overwrite and not merged.differences(on_disk) and on_disk.state == "complete":
         return MergeResult(base, count, on_disk.num_records or 0, already_complete=True)
-    if os.path.exists(base) and not overwrite:
+    # A merge killed after its rename left OUT with this merge's running manifest: redo it.
+    ours_unfinished = on_disk is not None and not merged.differences(on_disk)
+    if os.path.exists(base) and not overwrite and not ours_unfinished:
         raise OutputStateError(f"{base} already exists", hint="pass --overwrite to replace it")
     kind = "embed" if first.options.get("command") == "embed" else "generate"
+    write_manifest(base, merged)              # state running, before OUT can appear under its name
     _write_merged(base, count, merged.format, input_path, kind)
     write_manifest(base, merged.completed(total))
     return MergeResult(base, count, total)
@@ -187,6 +204,7 @@ def _write_merged(base: str, count: int, fmt: str, input_path: str | None, kind:
         out.abandon()
         os.remove(out.partial)
         raise
+    crash_point("merge.before_commit")
     out.commit()
 
 

@@ -60,18 +60,20 @@ class RecordReader:
             if raw.strip():
                 try:
                     first = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):
                     return "jsonl"  # the broken line is reported when it is read
                 return "openai" if is_openai_line(first) else "jsonl"
         return "jsonl"
 
     def _raw_lines(self, *, peek: bool = False) -> Iterator[bytes]:
+        """The input's lines as bytes: decompressed (.gz, .zst), a UTF-8 BOM dropped; CRLF endings,
+        blank lines and a last line without a newline are the JSON parser's business (all fine)."""
         if self.path == "-":
             if self._stream is None:  # one iterator, so the peek and the read continue each other
                 self._stream = iter(self._stdin if self._stdin is not None else sys.stdin.buffer)
             stream = self._stream
             if peek:
-                for raw in stream:
+                for raw in _without_bom(stream):
                     self._peeked.append(raw)
                     if raw.strip():
                         return
@@ -80,8 +82,19 @@ class RecordReader:
             self._peeked = []
             yield from stream
             return
-        with open(self.path, "rb") as f:
-            yield from f
+        line = 0
+        with open_input_bytes(self.path) as f:
+            try:
+                for line, raw in enumerate(_without_bom(f), start=1):
+                    yield raw
+            except (EOFError, OSError) as e:        # gzip / zstd: a truncated or damaged stream
+                raise InputError(f"{self.path}: cannot decompress after line {line}: {e}",
+                                 hint="the compressed file is truncated or damaged") from None
+            except Exception as e:                  # zstandard.ZstdError
+                if type(e).__name__ != "ZstdError":
+                    raise
+                raise InputError(f"{self.path}: cannot decompress after line {line}: {e}",
+                                 hint="the compressed file is truncated or damaged") from None
 
     # ---------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[BatchRecord | RecordError]:
@@ -108,6 +121,10 @@ class RecordReader:
             except UnicodeDecodeError as e:
                 yield RecordError(id=None, line=line, field="json", file=self.name,
                                   message=f"not valid UTF-8 ({e.reason} at byte {e.start})")
+                continue
+            except RecursionError:
+                yield RecordError(id=None, line=line, field="json", file=self.name,
+                                  message="invalid JSON: nested too deeply for a batch record")
                 continue
             except ValueError as e:
                 msg = getattr(e, "msg", str(e))
@@ -186,3 +203,32 @@ def _clean_parquet_row(obj: dict[str, Any]) -> dict[str, Any]:
 def open_reader(path: str, *, sampling_defaults: dict[str, Any] | None = None,
                 stdin: IO[bytes] | None = None, kind: ReaderKind = "generate") -> RecordReader:
     return RecordReader(path, sampling_defaults=sampling_defaults, stdin=stdin, kind=kind)
+
+
+_BOM = b"\xef\xbb\xbf"
+COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+
+
+def _without_bom(lines) -> Iterator[bytes]:
+    """The lines, the first one without a UTF-8 byte order mark (files saved by Windows tools)."""
+    first = True
+    for raw in lines:
+        if first:
+            first = False
+            if raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+        yield raw
+
+
+def open_input_bytes(path: str) -> IO[bytes]:
+    """A batch file opened for reading, decompressed on the fly by its suffix (.jsonl.gz, .jsonl.zst)."""
+    kind = COMPRESSED_SUFFIXES.get(os.path.splitext(path)[1].lower())
+    if kind == "gzip":
+        import gzip
+        return gzip.open(path, "rb")
+    if kind == "zstd":
+        import io
+
+        import zstandard
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")

@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class OutputPlan:
-    action: Literal["fresh", "replace", "resume", "complete"]
+    action: Literal["fresh", "replace", "resume", "complete", "finish"]   # finish: only the manifest is missing
     num_done: int = 0            # whole records already in the partial (resume) or the final file (complete)
     num_trimmed_bytes: int = 0   # torn tail cut from the partial
     num_done_errors: int = 0     # of the records done, how many are error records
@@ -63,12 +63,32 @@ def plan_output(output: str, expected: Manifest, *, resume: bool = True, overwri
                                hint="rerun with the same input and options to resume, pass --overwrite to "
                                     "start over, or choose another -o")
     if has_final:
+        if on_disk.state != "complete":
+            # Killed between the final rename and the completed manifest: the output is whole (it was
+            # renamed atomically); only its manifest is left to write.
+            num, errors = count_final_records(output)
+            return OutputPlan("finish", num_done=num, num_done_errors=errors)
         return OutputPlan("complete", num_done=on_disk.num_records or 0)
     if not resume:
         raise OutputStateError(f"{partial} holds an unfinished run and --no-resume was given",
                                hint="drop --no-resume to continue it, or pass --overwrite to start over")
     num_done, trimmed, num_errors = trim_partial(partial)
     return OutputPlan("resume", num_done=num_done, num_trimmed_bytes=trimmed, num_done_errors=num_errors)
+
+
+def count_final_records(path: str) -> tuple[int, int]:
+    """(records, error records) of a finished output: JSON lines, or a Parquet file's rows."""
+    if path.lower().endswith((".parquet", ".pq")):
+        import pyarrow.parquet as pq
+        table = pq.read_table(path, columns=["error"])
+        return table.num_rows, table.num_rows - table.column("error").null_count
+    num = errors = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                num += 1
+                errors += json.loads(raw).get("error") is not None
+    return num, errors
 
 
 def trim_partial(path: str) -> tuple[int, int, int]:

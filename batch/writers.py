@@ -26,6 +26,7 @@ from typing import Any, BinaryIO, Protocol
 from ..engine.errors import ConfigError
 
 from .atomic_file import AtomicFile, fsync_dir
+from .crash_points import crash_point
 from .embed_output import (embed_record, embedding_width, embeddings_body, encode_record, parquet_embed_schema,
                            parquet_encode_schema, to_embed_row, to_encode_row)
 from .openai_output import batch_output_line
@@ -89,6 +90,7 @@ class _LineWriter:
             return
         self._file.write(data)
         self._file.flush()  # whole lines reach the OS at once: a killed run loses at most the torn one
+        crash_point("record.written")
         self._pending += 1
         now = time.monotonic()
         if self._pending >= self.sync_every or now - self._last_sync >= self.sync_seconds:
@@ -184,6 +186,7 @@ def jsonl_to_parquet(source: str, path: str, *, row_group_size: int = 1024, reco
         writer.close()
         sink.flush()
         os.fsync(sink.fileno())
+    crash_point("parquet.before_rename")
     os.replace(tmp, path)
     return num_rows
 

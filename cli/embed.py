@@ -48,6 +48,7 @@ def embed(
     shard: o.Shard = None,
     resume: o.Resume = True,
     overwrite: o.Overwrite = False,
+    wait_lock: o.WaitLock = False,
 ) -> None:
     """Embed every record of FILE with a pooling model; write one output record per input record, in order.
 
@@ -75,5 +76,6 @@ def embed(
         output_options={"model": model, "dtype": dtype, "max_model_len": max_model_len, "pooling": pooling},
         make_job=lambda llm: PoolingJob(params, "embed"), pooling=True, reader_kind="embed", record_kind="embed",
         max_in_flight=max_in_flight or 4 * (max_num_seqs or 256), metrics_json=metrics_json,
-        on_error="fail" if strict else on_error, shard=shard, resume=resume, overwrite=overwrite)
+        on_error="fail" if strict else on_error, shard=shard, resume=resume, overwrite=overwrite,
+        wait_lock=wait_lock)
     run_job(spec, lambda name, kw: run_cmd.load_llm(name, kw))  # the one seam where tests replace the engine

@@ -104,6 +104,7 @@ def encode(
     shard: o.Shard = None,
     resume: o.Resume = True,
     overwrite: o.Overwrite = False,
+    wait_lock: o.WaitLock = False,
 ) -> None:
     """Run a pooling model over INPUTS: files through an IO processor plugin (one output file each), or
     the records of one batch file (one output record each). A rerun skips what is complete."""
@@ -125,9 +126,10 @@ def encode(
             raise ConfigError("inputs", f"without a plugin, encode reads one batch file, got {len(inputs)}")
         return _encode_records(inputs[0], output, model, task, kwargs, max_in_flight=max_in_flight,
                                metrics_json=metrics_json, on_error=on_error, shard=shard, resume=resume,
-                               overwrite=overwrite)
+                               overwrite=overwrite, wait_lock=wait_lock)
     _encode_files(name, inputs, Path(output), model, kwargs, plugin_opts, list(allowed_local_media_path or []),
-                  max_in_flight=max_in_flight, metrics_json=metrics_json, shard=shard, overwrite=overwrite)
+                  max_in_flight=max_in_flight, metrics_json=metrics_json, shard=shard, overwrite=overwrite,
+                  wait_lock=wait_lock)
 
 
 def _plugin_of_model(model: str | None) -> str | None:
@@ -158,22 +160,19 @@ def _encode_records(file: str, output: str, model: str, task: str, kwargs: dict[
         make_job=lambda llm: PoolingJob(params, task), pooling=True, reader_kind="encode", record_kind="encode",
         max_in_flight=run["max_in_flight"] or 4 * (kwargs.get("max_num_seqs") or 256),
         metrics_json=run["metrics_json"], on_error=run["on_error"], shard=run["shard"], resume=run["resume"],
-        overwrite=run["overwrite"])
+        overwrite=run["overwrite"], wait_lock=run["wait_lock"])
     run_job(spec, lambda name, kw: run_cmd.load_llm(name, kw))
 
 
 # ---------------------------------------------------------------------------- with a plugin
 def _encode_files(plugin: str, args: list[str], out_dir: Path, model: str | None, kwargs: dict[str, Any],
                   plugin_opts: dict[str, Any], allowed: list[Path], *, max_in_flight: int | None,
-                  metrics_json: Path | None, shard: str | None, overwrite: bool) -> None:
-    from ..batch.file_job import collect_inputs, plan_files
-    from ..batch.request_file import RequestFile
+                  metrics_json: Path | None, shard: str | None, overwrite: bool, wait_lock: bool) -> None:
+    from ..batch.file_job import collect_inputs
+    from ..batch.output_lock import output_lock
     from ..batch.shard import resolve_shard
     from ..engine.errors import ConfigError
-    from ..io_plugins.driver import PluginInput, run_plugin
     from ..io_plugins.registry import load_plugin_class
-
-    from .signals import StopSignals
 
     cls = load_plugin_class(plugin)                       # an unknown name lists the installed ones
     model = model or cls.default_model
@@ -186,6 +185,24 @@ def _encode_files(plugin: str, args: list[str], out_dir: Path, model: str | None
                           "give the files")
     inputs = collect_inputs(args, cls.input_suffixes)
     the_shard = resolve_shard(shard)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # One run per shard of the folder (shards of a job array share it: each holds its own lock).
+    lock = out_dir / f".vbatch-encode.part-{the_shard.index}-of-{the_shard.count}"
+    with output_lock(str(lock), wait=wait_lock, what="output folder"):
+        _encode_files_locked(plugin, cls, inputs, the_shard, out_dir, model, kwargs, plugin_opts, allowed,
+                             max_in_flight=max_in_flight, metrics_json=metrics_json, overwrite=overwrite)
+
+
+def _encode_files_locked(plugin: str, cls: type, inputs: list, the_shard: Any, out_dir: Path, model: str,
+                         kwargs: dict[str, Any], plugin_opts: dict[str, Any], allowed: list[Path], *,
+                         max_in_flight: int | None, metrics_json: Path | None, overwrite: bool) -> None:
+    from ..batch.file_job import plan_files
+    from ..batch.request_file import RequestFile
+    from ..engine.errors import ConfigError
+    from ..io_plugins.driver import PluginInput, run_plugin
+
+    from .signals import StopSignals
+
     manifest = {"command": "encode", "plugin": plugin, "model": model, "dtype": kwargs.get("dtype"),
                 "options": plugin_opts}
     plan = plan_files(inputs, out_dir, manifest, shard=the_shard, overwrite=overwrite)

@@ -25,13 +25,15 @@ EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
 EXIT_MODEL_LOAD = 4
 EXIT_OUTPUT_STATE = 5      # the output belongs to another run, or merge found missing/incomplete parts
+EXIT_LOCKED = 6            # another run is writing the same output (batch/output_lock.py)
+EXIT_WRITE_FAILED = 7      # the file system refused the output: disk full, quota, read-only (resumable)
 EXIT_INTERRUPTED = 130     # SIGINT (128 + 2)
 EXIT_TERMINATED = 143      # SIGTERM (128 + 15)
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 every record done (or already complete); 1 some records failed (see their error field); "
     "2 bad usage or option; 3 bad input file; 4 model could not be loaded; 5 output belongs to another run "
-    "or parts missing; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM). 130/143 keep the output resumable."
+    "or parts missing; 6 another run is writing the same output; 7 the output could not be written (disk full, quota, read-only); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM). 130/143 keep the output resumable."
 )
 
 

@@ -26,8 +26,8 @@ def merge(
     from ..batch.merge import merge_parts
     from ..engine.errors import InputError
 
-    # A shell glob OUT.part-* also lists the parts' .partial and .manifest.json files: they are not parts.
-    names = [p for p in outputs if not p.endswith((".partial", ".manifest.json", ".converting", ".tmp"))]
+    # A shell glob OUT.part-* also lists the parts' .partial, .manifest.json and .lock files: not parts.
+    names = [p for p in outputs if not p.endswith((".partial", ".manifest.json", ".converting", ".tmp", ".lock"))]
     if input_file is not None and not input_file.is_file():
         raise InputError(f"{input_file}: no such file", hint="--input takes the batch file the parts were run on")
     result = merge_parts(names or outputs, input_path=None if input_file is None else str(input_file),

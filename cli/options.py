@@ -81,6 +81,8 @@ Shard = Annotated[Optional[str], typer.Option("--shard", help="I/N: run the reco
                                               "Slurm array task; 0/1 is the whole input).", rich_help_panel=RUN)]
 Resume = Annotated[bool, typer.Option("--resume/--no-resume", help="Continue a partial output of the same input "
                                       "and options, skipping the records already done.", rich_help_panel=RUN)]
+WaitLock = Annotated[bool, typer.Option("--wait-lock", help="If another run is writing the same output, wait "
+                                       "for it to finish instead of exiting (code 6).", rich_help_panel=RUN)]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Delete an existing output (final, partial, "
                                          "manifest) and start over.", rich_help_panel=RUN)]
 

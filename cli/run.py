@@ -101,6 +101,7 @@ def run(
     shard: o.Shard = None,
     resume: o.Resume = True,
     overwrite: o.Overwrite = False,
+    wait_lock: o.WaitLock = False,
 ) -> None:
     """Run every record of FILE through the model; write one output record per input record, in order.
 
@@ -130,5 +131,6 @@ def run(
                                       defaults=defaults, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype),
         make_job=lambda llm: GenerateJob(llm, defaults, template), sampling_defaults=defaults,
         max_in_flight=max_in_flight or 2 * (max_num_seqs or 256), metrics_json=metrics_json,
-        on_error="fail" if strict else on_error, shard=shard, resume=resume, overwrite=overwrite)
+        on_error="fail" if strict else on_error, shard=shard, resume=resume, overwrite=overwrite,
+        wait_lock=wait_lock)
     run_job(spec, lambda name, kw: load_llm(name, kw))   # looked up per call: tests replace load_llm

@@ -50,6 +50,17 @@ def _template_text(tokenizer, chat_template: str | None) -> str:
     return template
 
 
+MEDIA_PART_TYPES = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file")
+
+
+def non_text_part_message(part_type: str, model: str) -> str:
+    """Why a chat content part that is not text is refused (every model vbatch serves reads text only;
+    the multimodal models will say which parts they take). Also used by batch validation."""
+    what = "a media" if part_type in MEDIA_PART_TYPES else "an unknown"
+    return (f"is {what} content part ({part_type!r}); {model} reads text only, so a chat message may hold "
+            "only 'text' parts")
+
+
 def _flatten_text_parts(conversation: list[dict]) -> list[dict]:
     flat = []
     for message in conversation:
@@ -70,6 +81,13 @@ def apply_chat_template(tokenizer, conversation: list[dict], *, chat_template: s
                           hint="set add_generation_prompt=False to continue the final message")
     if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
         raise InputError("a conversation must be a list of {'role': ..., 'content': ...} messages")
+    for i, message in enumerate(conversation):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                model = getattr(tokenizer, "name_or_path", None) or "this model"
+                raise InputError(non_text_part_message(str(kind), model), field=f"messages[{i}].content[{j}]")
     template = _template_text(tokenizer, chat_template)
     if not _LOOPS_OVER_CONTENT.search(template):
         conversation = _flatten_text_parts(conversation)

@@ -364,3 +364,16 @@ def test_an_output_folder_that_would_overwrite_its_inputs_is_refused(tmp_path, m
     r = encode("--model", model_dir, tile, "-o", tmp_path)
     assert r.exit_code == 2 and "would overwrite it" in r.output
     assert tile.read_bytes() == before
+
+
+def test_a_second_run_on_the_same_shard_of_a_folder_is_refused(tmp_path, model_dir):
+    from vbatch.batch.output_lock import output_lock
+
+    tiles, out = tile_folder(tmp_path, 2, 40)
+    out.mkdir()
+    with output_lock(str(out / ".vbatch-encode.part-0-of-1")):
+        r = encode("--model", model_dir, tiles, "-o", out)
+        assert r.exit_code == 6 and "another run is writing this output folder" in r.output
+        assert encode("--model", model_dir, tiles, "-o", out, "--shard", "1/2").exit_code == 0   # another shard
+    assert encode("--model", model_dir, tiles, "-o", out).exit_code == 0
+    assert sorted(p.name for p in out.glob("*.tif")) == ["t0.tif", "t1.tif"] and not list(out.glob(".*.lock"))
