@@ -61,9 +61,9 @@ def output_lock(output: str, *, wait: bool = False, what: str = "output") -> Ite
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except PermissionError:
+        except OSError as e:                # read-only file system, no permission, full disk, ...
             from ..engine.errors import ConfigError
-            raise ConfigError("--output", f"cannot create {path}: the folder is not writable",
+            raise ConfigError("--output", f"cannot write in {parent}: {e.strerror}",
                               hint="write the output somewhere you may write") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import typer
 
-from ..engine.errors import VBatchError
+from ..engine.errors import InputError, VBatchError
 from .errors import EXIT_BAD_INPUT, EXIT_RECORDS_FAILED
 
 MAX_LISTED_ERRORS = 20  # failed records listed under the summary (all of them are in the output)
@@ -105,6 +106,17 @@ def _write_faults(target: str):
                                     "after the records already written") from None
 
 
+def _input_stamp(path: str) -> tuple[int, int] | None:
+    """(size, mtime ns) of the input file (None for stdin or a vanished file): a change means it was rewritten."""
+    if path == "-":
+        return None
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
 def run_job(spec: JobSpec, load_llm: Callable[[str, dict[str, Any]], Any]) -> None:
     from rich.console import Console
 
@@ -159,6 +171,7 @@ def run_job(spec: JobSpec, load_llm: Callable[[str, dict[str, Any]], Any]) -> No
                               else ""), err=True)
         if not the_shard.is_whole:
             typer.echo(f"shard {the_shard.spec()} (from {the_shard.source}) -> {target}", err=True)
+        seen = _input_stamp(spec.file)
         total = first_pass(reader, the_shard, on_error=spec.on_error) if spec.file != "-" else None
         if plan.action == "replace":
             remove_output(target)     # only now: `--on-error fail` on a bad file keeps the old output
@@ -202,6 +215,14 @@ def run_job(spec: JobSpec, load_llm: Callable[[str, dict[str, Any]], Any]) -> No
         finally:
             progress.close()
         result = dataclasses.replace(result, num_resumed=plan.num_done, command=spec.command)
+        now = _input_stamp(spec.file)
+        if now != seen:               # the records read may mix two versions of the file: never complete it
+            writer.abort()
+            raise InputError(f"{spec.file} changed while this run read it ({seen[0]} bytes then, "
+                             f"{now[0] if now else 'no file'} now); the output stays unfinished in "
+                             f"{partial_path(target)}",
+                             hint="let the file be written completely before vbatch reads it; rerun with the "
+                                  "final file (with --overwrite if its content changed)")
         if result.interrupted:
             writer.abort()
         else:

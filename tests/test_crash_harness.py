@@ -33,7 +33,7 @@ sys.argv = ["vbatch"] + sys.argv[1:]
 main()
 """
 NUM_RECORDS = 40
-ROUNDS = int(os.environ.get("VBATCH_CRASH_ROUNDS", "6"))
+ROUNDS = int(os.environ.get("VBATCH_CRASH_ROUNDS", "3"))
 STRAY = (".partial", ".lock", ".tmp", ".converting")
 
 

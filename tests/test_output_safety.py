@@ -244,3 +244,34 @@ def test_the_chat_api_names_the_model_for_a_media_part():
                                          r"smollm2-135m-instruct reads text only"):
         apply_chat_template(Tok(), [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
                             chat_template=None, add_generation_prompt=True, continue_final_message=False)
+
+
+def test_an_input_rewritten_during_the_run_leaves_the_output_unfinished(tmp_path, monkeypatch):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(jsonl(RECORDS[:6]))
+
+    class Rewriting(FakeLLM):
+        def stream(self, requests, **kw):
+            for i, item in enumerate(super().stream(requests, **kw)):
+                if i == 2:
+                    with open(inp, "a") as f:          # another program appends while vbatch reads
+                        f.write(jsonl(RECORDS[6:8]))
+                yield item
+    monkeypatch.setattr(run_cmd, "load_llm", lambda model, kwargs: Rewriting())
+    out = tmp_path / "out.jsonl"
+    r = runner.invoke(app, ["run", str(inp), "-o", str(out)])
+    assert r.exit_code == 3 and "changed while this run read it" in r.output, r.output
+    assert not out.exists() and os.path.exists(str(out) + ".partial")
+    monkeypatch.setattr(run_cmd, "load_llm", lambda model, kwargs: FakeLLM())
+    r = runner.invoke(app, ["run", str(inp), "-o", str(out)])
+    assert r.exit_code == 5 and "belongs to another run" in r.output          # the final file is another input
+    r = runner.invoke(app, ["run", str(inp), "-o", str(out), "--overwrite"])
+    assert r.exit_code == 0 and len(out.read_text().splitlines()) == 8
+
+
+def test_a_read_only_output_folder_is_refused_before_the_model(tmp_path, loads, small_disk):
+    (tmp_path / "in.jsonl").write_text(jsonl(RECORDS[:2]))
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    r = runner.invoke(app, ["run", str(tmp_path / "in.jsonl"), "-o", str(small_disk / "out.jsonl")])
+    assert r.exit_code == 2 and "Read-only file system" in r.output and "Traceback" not in r.output, r.output
+    assert loads == []
