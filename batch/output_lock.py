@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from ..engine.errors import VBatchError
+from ..engine.errors import ConfigError, VBatchError
 
 LOCK_SUFFIX = ".lock"
 
@@ -56,13 +56,11 @@ def output_lock(output: str, *, wait: bool = False, what: str = "output") -> Ite
     path = lock_path(output)
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        from ..engine.errors import ConfigError
         raise ConfigError("--output", f"the folder {parent} does not exist", hint="create it first")
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:                # read-only file system, no permission, full disk, ...
-            from ..engine.errors import ConfigError
             raise ConfigError("--output", f"cannot write in {parent}: {e.strerror}",
                               hint="write the output somewhere you may write") from None
         try:

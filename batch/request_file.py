@@ -6,7 +6,8 @@
 Each line is one plugin input (a request the plugin's parse_data checks); the file's own output
 `OUT/<name>.jsonl` gets one result line per request line, in order, written atomically once every
 request of the file is done, so the file is the unit of resume as a tile is. Paths: `data` relative
-to the JSONL's folder; `out_path` relative to OUT (default: `data`'s file name) and never outside it.
+to the JSONL's folder; `out_path` relative to OUT (default: `data`'s file name, or `<name>-line<N>.tif` for inline data) and
+never outside it.
 A line that is not a JSON object, or points outside OUT, gets its error line and the others go on.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ class RequestFile:
     def __init__(self, file: FileInput, out_dir: Path) -> None:
         self.file, self.out_dir = file, out_dir
         self.results: dict[int, dict[str, Any]] = {}
-        self.requests: list[tuple[int, dict[str, Any]]] = []
+        self.requests: dict[int, dict[str, Any]] = {}     # line -> request
         base = file.path.resolve().parent
         text = file.path.read_text(encoding="utf-8", errors="replace")
         for n, raw in enumerate(text.splitlines(), 1):
@@ -44,13 +45,15 @@ class RequestFile:
                 request["data"] = str((base / request["data"]).resolve())
             if request.get("out_data_format") == "path" or "out_path" in request:
                 request.setdefault("out_data_format", "path")
-                target = (out_dir / (request.get("out_path") or Path(str(request.get("data", "output"))).name)).resolve()
+                default = (Path(request["data"]).name if request.get("data_format", "path") == "path"
+                           and isinstance(request.get("data"), str) else f"{file.path.stem}-line{n}.tif")
+                target = (out_dir / (request.get("out_path") or default)).resolve()
                 if out_dir.resolve() not in target.parents:
                     self.results[n] = _error(n, obj.get("request_id"), f"out_path {request.get('out_path')!r} "
                                              f"is outside the output folder {out_dir}")
                     continue
                 request["out_path"] = str(target)
-            self.requests.append((n, request))
+            self.requests[n] = request
         self.num_lines = len(self.requests) + len(self.results)
 
     @property
@@ -60,12 +63,12 @@ class RequestFile:
     def inputs(self) -> list[PluginInput]:
         # The request id is ours to echo, not a field the plugin reads.
         return [PluginInput(f"{self.file.name}:{n}", {k: v for k, v in r.items() if k != "request_id"})
-                for n, r in self.requests]
+                for n, r in self.requests.items()]
 
     def record(self, result: PluginResult) -> bool:
         """Store one request's result; True when the file's last one is in."""
         n = int(result.key.rsplit(":", 1)[1])
-        rid = dict(self.requests)[n].get("request_id")
+        rid = self.requests[n].get("request_id")
         if result.ok:
             out = asdict(result.output) if is_dataclass(result.output) else result.output
             out = out if isinstance(out, dict) else {"data": out}

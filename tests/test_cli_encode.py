@@ -151,7 +151,7 @@ def test_bad_files_are_reported_and_the_others_written(tmp_path, model_dir):
 
     tiles = tmp_path / "tiles"
     tiles.mkdir()
-    good = write_tile(tiles / "good.tif", 64, 80, 3)
+    write_tile(tiles / "good.tif", 64, 80, 3)
     Image.new("RGB", (40, 40)).save(tiles / "photo.tif", format="PNG")          # a PNG renamed .tif
     write_tile(tiles / "rgb.tif", 40, 40, 4, bands=3)                            # too few bands
     (tiles / "empty.tif").write_bytes(b"")
@@ -171,7 +171,6 @@ def test_bad_files_are_reported_and_the_others_written(tmp_path, model_dir):
         assert f"error: {name}:" in r.output
     with rasterio.open(tmp_path / "out" / "good.tif") as f:
         assert f.shape == (64, 80)
-    del good
 
 
 def test_band_indices_pick_the_model_bands(tmp_path, model_dir):
@@ -181,7 +180,7 @@ def test_band_indices_pick_the_model_bands(tmp_path, model_dir):
     with rasterio.open(six) as f:
         data = f.read()
     rng = np.random.default_rng(0)
-    thirteen = np.concatenate([rng.integers(1, 9000, (13, 64, 64)).astype("uint16")])
+    thirteen = rng.integers(1, 9000, (13, 64, 64)).astype("uint16")
     order = [1, 2, 3, 8, 11, 12]
     thirteen[order] = data
     with rasterio.open(tiles / "s2.tif", "w", driver="GTiff", width=64, height=64, count=13, dtype="uint16",
@@ -336,14 +335,17 @@ def test_a_jsonl_of_terratorch_requests(tmp_path, model_dir):
                          "out_data_format": "b64_json"}),
              "not json",
              json.dumps({"data_format": "path", "data": "tiles/a.tif", "out_path": "../escape.tif"}),
-             json.dumps({"data_format": "path", "data": "tiles/missing.tif", "out_data_format": "path"})]
+             json.dumps({"data_format": "path", "data": "tiles/missing.tif", "out_data_format": "path"}),
+             json.dumps({"data_format": "b64_json", "data": base64.b64encode(b.read_bytes()).decode(),
+                         "out_data_format": "path"})]
     req = tmp_path / "requests.jsonl"
     req.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     r = encode("--model", model_dir, req, a, "-o", out)
     assert r.exit_code == 1, r.output
     got = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
-    assert [g["line"] for g in got] == [1, 2, 3, 4, 5]
+    assert [g["line"] for g in got] == [1, 2, 3, 4, 5, 6]
+    assert got[5]["error"] is None and got[5]["data"] == str((out / "requests-line6.tif").resolve())
     assert got[0]["error"] is None and got[0]["request_id"] == "first" and got[0]["type"] == "path"
     assert got[0]["data"] == str((out / "maps" / "a_flood.tif").resolve())
     with rasterio.open(out / "maps" / "a_flood.tif") as x, rasterio.open(out / "a.tif") as y:
