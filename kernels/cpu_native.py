@@ -41,7 +41,8 @@ logger = logging.getLogger("vbatch.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
-           CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c", CSRC / "cpu_encoder_attention.c")
+           CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c", CSRC / "cpu_encoder_attention.c",
+           CSRC / "cpu_read_probe.c")
 HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h", CSRC / "vb_attention.h",
            CSRC / "vb_attention_tiled.h", CSRC / "vb_attention_spans.h")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",
@@ -226,6 +227,13 @@ class NativeKernels:
             out.data_ptr(), rows.shape[0], weight.shape[0], weight.shape[1], num_threads)
         return out if rc == 0 else None
 
+    def read_probe(self, buffer: torch.Tensor, streams: int, num_threads: int) -> int:
+        """Read `buffer` (contiguous, any dtype) once, each thread its share as `streams` (1, 2, 4, 8)
+        sequential streams side by side (cpu_read_probe.c): for timing the memory system."""
+        assert buffer.is_contiguous() and streams in (1, 2, 4, 8)
+        return self._fn("vb_read_probe", torch.float32)(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
+                                                         streams, num_threads)
+
     def has_small_linear(self, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> bool:
         """Whether this build has the small-rows linear kernel for `dtype` rows and `weight_dtype`
         weights (default: the rows' dtype); bf16 rows need avx512_bf16."""
@@ -309,6 +317,7 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_decoder_layer": ([p, p, p, p, p, p, i32, i32], ctypes.c_int),
         "vb_sample": ([p, i64, i32, i32, p, p, p, i32], ctypes.c_int),
         "vb_encoder_attention": ([p, p, p, i64, p, p, p, i32, i32, i32, i32, f32, i32], ctypes.c_int),
+        "vb_read_probe": ([p, i64, i32, i32], ctypes.c_uint64),
     }
     for name, (argtypes, restype) in signatures.items():
         for suffix, _ in VARIANTS.values():

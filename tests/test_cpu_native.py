@@ -201,6 +201,38 @@ def test_small_linear_matches_exact_product(native, dtype, rows, in_features):
             assert ((got.double() - exact).abs() <= tol).all(), weight_dtype
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_small_linear_any_output_count_and_team(native, dtype, threads):
+    # Each thread reads its share of the output rows as several streams side by side: output counts
+    # that leave streams of unequal length (or empty ones), and teams of 1-3 threads, against the
+    # exact product.
+    tol_rel = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    weight_dtype = torch.float16 if dtype == torch.float32 else torch.bfloat16
+    if not native.has_small_linear(dtype, weight_dtype):
+        pytest.skip(f"the {native.tier.name} tier has no bf16 small-rows kernel (it needs avx512_bf16)")
+    for out_features in (1, 3, 7, 17, 203, 1029):
+        for rows in (1, 2, 3, 4, 6):
+            torch.manual_seed(out_features * 11 + rows)
+            x = torch.randn(rows, 72).to(dtype)
+            weight = torch.randn(out_features, 72).to(weight_dtype)
+            bias = torch.randn(out_features).to(dtype)
+            got = native.linear_small(x, weight, bias, threads)
+            exact = x.double() @ weight.double().t() + bias.double()
+            tol = exact.abs().amax(-1, keepdim=True) * tol_rel
+            assert ((got.double() - exact).abs() <= tol).all(), (out_features, rows)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_probe_reads_every_word_once(native, threads):
+    # The bandwidth ceiling's probe (cpu_read_probe.c): whatever the streams per thread, it returns
+    # the wrapping sum of the buffer's 64-bit words, so it read each once (numpy's uint64 sum, the oracle).
+    torch.manual_seed(threads)
+    words = torch.randint(-2**62, 2**62, (3 * 2**17,), dtype=torch.int64)  # 3 MiB: whole streams at 1-3 threads
+    exact = int(words.numpy().view("uint64").sum(dtype="uint64"))
+    for streams in (1, 2, 4, 8):
+        assert native.read_probe(words, streams, threads) == exact, streams
+
+
 def test_small_linear_refuses_more_than_eight_rows(native, dtype):
     x, weight = torch.zeros(9, 64, dtype=dtype), torch.zeros(16, 64, dtype=dtype)
     assert native.linear_small(x, weight, None, 1) is None

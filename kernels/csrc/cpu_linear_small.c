@@ -14,9 +14,10 @@
  *    caller keeps its GEMM.
  *  - fp32 activations (every CPU tier): the weight stored as fp32, fp16 or bf16 and widened in
  *    registers (F16C's vcvtph2ps, a shift for bf16), so a half-precision weight halves the bytes
- *    streamed; products and sums in fp32 FMAs, 8 lanes at a time, one output row after another
- *    (several FMA chains along it; each weight vector is used for every row of x).
+ *    streamed; products and sums in fp32 FMAs, 8 lanes at a time; each thread reads its output
+ *    rows as several far-apart streams side by side (each weight vector used for every row of x).
  */
+#include <omp.h>
 #include <string.h>
 
 #include "vb_kernels.h"
@@ -87,10 +88,6 @@ int VB_ACT(vb_linear_small_shared)(const act_t *x, const void *weight, int weigh
 
 #else  /* fp32 activations */
 
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 512
-#endif
-
 /* VL weights at w + k, widened to fp32 (FMT is a compile-time constant in the copies below). */
 static inline __attribute__((always_inline)) vf load_w(const void *w, int64_t k, const int FMT) {
     if (FMT == VB_WEIGHT_F32) return load_f32((const float *)w + k);
@@ -105,47 +102,65 @@ static inline float weight_at(const void *w, int64_t k, const int FMT) {  /* one
     return load_w(h, 0, FMT)[0];
 }
 
-/* Output row n of M rows of x: the weight row streamed front to back (one sequential stream per
- * thread: measured on Zen 3 21 GB/s against 16 when 4 rows were read side by side), C independent
- * FMA chains per x row along k to hide the FMA latency, each weight vector used for all M rows. */
-static inline __attribute__((always_inline)) void row_f32(
-        const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, int n,
-        const int M, const int C, const int FMT) {
-    const int esize = FMT == VB_WEIGHT_F32 ? 4 : 2, step = VL * C, full = k_in / step * step;
-    const char *row = (const char *)w + (int64_t)n * k_in * esize;
-    vf acc[4][4];
-    for (int m = 0; m < M; ++m)
-        for (int c = 0; c < C; ++c) acc[m][c] = splat(0.0f);
-    for (int k = 0; k < full; k += step) {
-        /* PREFETCH_AHEAD bytes ahead along the stream (into the next rows near a row's end): measured
-           on Zen 3, 2 threads, the model's fp16 weights: 19.5-20.1 -> 22.2-23.6 GB/s */
-        for (int b = 0; b < step * esize; b += 64) __builtin_prefetch(row + (int64_t)k * esize + b + PREFETCH_AHEAD, 0, 3);
-        for (int c = 0; c < C; ++c) {
-            const vf wv = load_w(row, k + VL * c, FMT);
-            for (int m = 0; m < M; ++m) acc[m][c] += load_f32(x + (int64_t)m * k_in + k + VL * c) * wv;
+/* S output rows of M rows of x at once, the rows n[0..S) lying far apart: S sequential streams
+ * per thread, each weight row read front to back, one FMA chain per (stream, x row); each weight
+ * vector is used for all M rows of x, each x vector for all S streams.
+ * NOTE: why several streams: a core keeps more cache misses in flight over several far-apart
+ * sequential streams than over one. Measured on Zen 3, 2 threads, a 512 MB read
+ * (cpu_read_probe.c): 21 GB/s with one stream per thread, 23 with two, 26 with four, 32 with
+ * eight. This kernel over one [233472, 576] fp16 weight: 16.5 GB/s one row after another (the
+ * earlier kernel), 22.5 with four streams; over the model's 120 decoder matrices in turn 16 ->
+ * 19.9 (four streams, two chains) -> 20.5 (eight streams, one chain). From L2 it runs at 60 GB/s,
+ * so memory, not the arithmetic, bounds it. Software prefetch 256-2048 bytes ahead in each
+ * stream: no gain (15.5-20.5 GB/s, the longer distances slower). */
+static inline __attribute__((always_inline)) void rows_f32(
+        const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int *n,
+        const int S, const int M, const int FMT) {
+    const int esize = FMT == VB_WEIGHT_F32 ? 4 : 2;
+    const char *row[8];
+    for (int s = 0; s < S; ++s) row[s] = (const char *)w + (int64_t)n[s] * k_in * esize;
+    vf acc[8][4];
+    for (int s = 0; s < S; ++s)
+        for (int m = 0; m < M; ++m) acc[s][m] = splat(0.0f);
+    for (int k = 0; k + VL <= k_in; k += VL) {
+        vf xv[4];
+        for (int m = 0; m < M; ++m) xv[m] = load_f32(x + (int64_t)m * k_in + k);
+        for (int s = 0; s < S; ++s) {
+            const vf wv = load_w(row[s], k, FMT);
+            for (int m = 0; m < M; ++m) acc[s][m] += xv[m] * wv;
         }
     }
-    for (int k = full; k + VL <= k_in; k += VL) {  /* whole vectors past the unrolled part */
-        const vf wv = load_w(row, k, FMT);
-        for (int m = 0; m < M; ++m) acc[m][0] += load_f32(x + (int64_t)m * k_in + k) * wv;
-    }
-    for (int m = 0; m < M; ++m) {
-        vf total = acc[m][0];
-        for (int c = 1; c < C; ++c) total += acc[m][c];
-        float s = hsum(total);
-        for (int k = k_in / VL * VL; k < k_in; ++k) s += x[(int64_t)m * k_in + k] * weight_at(row, k, FMT);
-        y[(int64_t)m * n_out + n] = s + (bias ? bias[n] : 0.0f);
-    }
+    for (int s = 0; s < S; ++s)
+        for (int m = 0; m < M; ++m) {
+            float sum = hsum(acc[s][m]);
+            for (int k = k_in / VL * VL; k < k_in; ++k) sum += x[(int64_t)m * k_in + k] * weight_at(row[s], k, FMT);
+            y[(int64_t)m * n_out + n[s]] = sum + (bias ? bias[n[s]] : 0.0f);
+        }
 }
 
-/* FMA chains per x row: enough independent ones to cover the FMA latency, few enough that the
- * M x C accumulators stay in the 16 registers of AVX2 (and SSE / NEON). */
-#define CHAINS(M) ((M) <= 2 ? 4 : 2)
+/* Streams for M rows of x: S x M accumulators (independent FMA chains, enough to cover the FMA
+ * latency at the rate memory feeds them) within 8 of the 16 registers of AVX2 (and SSE / NEON),
+ * the rest for the x and weight vectors. */
+#define STREAMS(M) ((M) == 1 ? 8 : (M) == 2 ? 4 : 2)
 
-static inline __attribute__((always_inline)) void rows_f32(
+/* This thread's share of the output rows (contiguous, the team's threads in order), cut into
+ * STREAMS(M) equal parts read side by side; ends with the team's barrier like an `omp for`. */
+static inline __attribute__((always_inline)) void share_f32(
         const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int M, const int FMT) {
-#pragma omp for schedule(static)
-    for (int n = 0; n < n_out; ++n) row_f32(x, w, bias, y, n_out, k_in, n, M, CHAINS(M), FMT);
+    const int S = STREAMS(M);
+    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int begin = (int)((int64_t)n_out * me / threads), end = (int)((int64_t)n_out * (me + 1) / threads);
+    const int part = (end - begin + S - 1) / S;
+    for (int r = 0; r < part; ++r) {
+        int n[8], valid = 0;
+        for (int s = 0; s < S; ++s)
+            if (begin + s * part + r < end) n[valid++] = begin + s * part + r;
+        if (valid == S)
+            rows_f32(x, w, bias, y, n_out, k_in, n, S, M, FMT);
+        else
+            for (int s = 0; s < valid; ++s) rows_f32(x, w, bias, y, n_out, k_in, n + s, 1, M, FMT);
+    }
+#pragma omp barrier
 }
 
 /* Up to 4 rows of x in one pass over the weight (more: one pass per 4 rows). */
@@ -155,10 +170,10 @@ static inline __attribute__((always_inline)) void pass_f32(
         const float *xs = x + (int64_t)m0 * k_in;
         float *ys = y + (int64_t)m0 * n_out;
         switch (m_rows - m0 < 4 ? m_rows - m0 : 4) {
-            case 1: rows_f32(xs, w, bias, ys, n_out, k_in, 1, FMT); break;
-            case 2: rows_f32(xs, w, bias, ys, n_out, k_in, 2, FMT); break;
-            case 3: rows_f32(xs, w, bias, ys, n_out, k_in, 3, FMT); break;
-            default: rows_f32(xs, w, bias, ys, n_out, k_in, 4, FMT); break;
+            case 1: share_f32(xs, w, bias, ys, n_out, k_in, 1, FMT); break;
+            case 2: share_f32(xs, w, bias, ys, n_out, k_in, 2, FMT); break;
+            case 3: share_f32(xs, w, bias, ys, n_out, k_in, 3, FMT); break;
+            default: share_f32(xs, w, bias, ys, n_out, k_in, 4, FMT); break;
         }
     }
 }
