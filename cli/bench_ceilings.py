@@ -143,8 +143,8 @@ def measure_gemm_gflops(dtype_name: str, shape: tuple[int, int, int] = DECODE_SH
 def measure_bandwidth_gb_s(num_bytes: int = 512 * 2**20, repeats: int = 5) -> tuple[float, float]:
     """(read GB/s, copy GB/s) over an fp32 tensor of `num_bytes` (far larger than any cache).
 
-    The read rate is the fastest of torch's sum() and, where the native kernels load, a plain read
-    with 1, 2, 4 and 8 sequential streams per thread (kernels/csrc/cpu_read_probe.c): one stream
+    The read rate is the fastest of torch's sum() (one sequential stream per thread) and, where the
+    native kernels load, a plain read with 2, 4 and 8 streams per thread (kernels/csrc/cpu_read_probe.c): one stream
     per core keeps fewer misses in flight than the memory system can serve, and the small-rows
     linear reads its weights as several streams, so a one-stream probe would understate the
     ceiling it is held to."""
@@ -158,7 +158,7 @@ def measure_bandwidth_gb_s(num_bytes: int = 512 * 2**20, repeats: int = 5) -> tu
     native = cpu_native.load()
     if native is not None:
         threads = torch.get_num_threads()
-        for streams in (1, 2, 4, 8):
+        for streams in (2, 4, 8):
             read_s = min(read_s, _best_seconds(lambda: native.read_probe(src, streams, threads), repeats,
                                                min_seconds=0.2))
     copy_s = _best_seconds(lambda: dst.copy_(src), repeats, min_seconds=0.2)

@@ -228,9 +228,10 @@ class NativeKernels:
         return out if rc == 0 else None
 
     def read_probe(self, buffer: torch.Tensor, streams: int, num_threads: int) -> int:
-        """Read `buffer` (contiguous, any dtype) once, each thread its share as `streams` (1, 2, 4, 8)
-        sequential streams side by side (cpu_read_probe.c): for timing the memory system."""
-        assert buffer.is_contiguous() and streams in (1, 2, 4, 8)
+        """Read `buffer` (contiguous, a whole number of 8-byte words) once, each thread its share as
+        `streams` (1, 2, 4, 8) sequential streams side by side (cpu_read_probe.c): for timing the
+        memory system. Returns the wrapping sum of its 64-bit words."""
+        assert buffer.is_contiguous() and streams in (1, 2, 4, 8) and buffer.numel() * buffer.element_size() % 8 == 0
         return self._fn("vb_read_probe", torch.float32)(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
                                                          streams, num_threads)
 

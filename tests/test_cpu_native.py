@@ -227,10 +227,11 @@ def test_read_probe_reads_every_word_once(native, threads):
     # The bandwidth ceiling's probe (cpu_read_probe.c): whatever the streams per thread, it returns
     # the wrapping sum of the buffer's 64-bit words, so it read each once (numpy's uint64 sum, the oracle).
     torch.manual_seed(threads)
-    words = torch.randint(-2**62, 2**62, (3 * 2**17,), dtype=torch.int64)  # 3 MiB: whole streams at 1-3 threads
-    exact = int(words.numpy().view("uint64").sum(dtype="uint64"))
-    for streams in (1, 2, 4, 8):
-        assert native.read_probe(words, streams, threads) == exact, streams
+    for count in (3 * 2**17, 3 * 2**17 + 5, 7):  # 3 MiB: whole lines in every stream; then words left over
+        words = torch.randint(-2**62, 2**62, (count,), dtype=torch.int64)
+        exact = int(words.numpy().view("uint64").sum(dtype="uint64"))
+        for streams in (1, 2, 4, 8):
+            assert native.read_probe(words, streams, threads) == exact, (count, streams)
 
 
 def test_small_linear_refuses_more_than_eight_rows(native, dtype):

@@ -86,11 +86,16 @@ NAMED = ["record.written:1", "record.written:20", f"record.written:{NUM_RECORDS}
          "commit.after_rename", "manifest.before_rename:1", "manifest.before_rename:2"]
 
 
-@pytest.mark.parametrize("point", NAMED)
-def test_a_kill_at_each_named_point_resumes_to_the_uninterrupted_output(work, point, tmp_path):
+# The named points on a JSONL output, and on a Parquet output with the Parquet writer's own point.
+KILLS = [("jsonl", point) for point in NAMED] + [
+    ("parquet", point) for point in ("record.written:13", "parquet.before_rename", "manifest.before_rename:2")]
+
+
+@pytest.mark.parametrize("fmt,point", KILLS, ids=[f"{fmt}-{point}" for fmt, point in KILLS])
+def test_a_kill_at_each_named_point_resumes_to_the_uninterrupted_output(work, fmt, point, tmp_path):
     folder, refs = work
-    out = tmp_path / "out.jsonl"
-    crash_then_resume(["run", folder / "in.jsonl", "-o", out], out, refs["jsonl"], [point])
+    out = tmp_path / f"out.{fmt}"
+    crash_then_resume(["run", folder / "in.jsonl", "-o", out], out, refs[fmt], [point])
 
 
 def test_random_kills_chained_across_resumes(work, tmp_path):
@@ -104,13 +109,6 @@ def test_random_kills_chained_across_resumes(work, tmp_path):
         crash_then_resume(["run", folder / "in.jsonl", "-o", out], out, refs["jsonl"], points)
         kills += len(points)
     print(f"{ROUNDS} rounds, {kills} kills, {ROUNDS * NUM_RECORDS} records checked")
-
-
-@pytest.mark.parametrize("point", ["record.written:13", "parquet.before_rename", "manifest.before_rename:2"])
-def test_parquet_outputs_survive_kills_too(work, point, tmp_path):
-    folder, refs = work
-    out = tmp_path / "out.parquet"
-    crash_then_resume(["run", folder / "in.jsonl", "-o", out], out, refs["parquet"], [point])
 
 
 def test_shards_and_merge_survive_kills(work, tmp_path):
