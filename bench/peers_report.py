@@ -27,6 +27,8 @@ TARGETS = {
              ("output tok/s, vbatch ÷ llama.cpp (its best batching)", "llamacpp", 1.5),
              ("output tok/s, vbatch ÷ vLLM CPU", "vllm", 1.5),
              ("batch-1 output tok/s, vbatch ÷ llama.cpp", "latency:llamacpp", 1.0),
+             ("batch-1 output tok/s, vbatch --quantization q8_0 (optional int8 weights) ÷ llama.cpp",
+              "latency:llamacpp@vbatch-q8_0", 1.0),
              ("batch-1 decode ÷ bandwidth ceiling (the bytes vbatch reads: its weight storage)", "bandwidth", 0.70)],
 }
 KIND_TITLES = {"avx512-bf16": "AVX-512 with avx512_bf16", "avx2": "AVX2 + FMA + F16C, no AVX-512",
@@ -143,9 +145,11 @@ def _target_lines(kind: str, rows: list[dict], fractions: dict) -> list[str]:
     for label, what, goal in TARGETS.get(kind, TARGETS["avx2"]):
         if what in ("compute", "bandwidth"):
             lines.append(_target(label, fractions.get(what), goal, pct=True))
-        elif what.startswith("latency:"):
-            peer = [r for r in rows if r["system"] == what.split(":")[1] and r["latency_tok_s"]]
-            value = (vb["latency_tok_s"] / peer[0]["latency_tok_s"]) if vb and vb["latency_tok_s"] and peer else None
+        elif what.startswith("latency:"):  # latency:PEER, or latency:PEER@SYSTEM (another vbatch row than "vbatch")
+            peer_name, _, mine = what.split(":")[1].partition("@")
+            ours = _best(rows, mine) if mine else vb
+            peer = [r for r in rows if r["system"] == peer_name and r["latency_tok_s"]]
+            value = (ours["latency_tok_s"] / peer[0]["latency_tok_s"]) if ours and ours["latency_tok_s"] and peer else None
             lines.append(_target(label, value, goal))
         else:
             peer = _best(rows, what)
@@ -154,7 +158,7 @@ def _target_lines(kind: str, rows: list[dict], fractions: dict) -> list[str]:
 
 
 def _batch_label(r: dict) -> str:
-    if r["system"] in ("vbatch", "vllm"):
+    if r["system"] in ("vbatch", "vbatch-q8_0", "vllm"):
         return "≤ 256 (scheduler)"
     if r["system"] == "llamacpp":
         return "1 (sequential)" if r["variant"] == "1" else f"{r['variant']} sequences batched"

@@ -103,6 +103,7 @@ def throughput(
                                                       rich_help_panel=BENCH)] = None,
     dtype: o.Dtype = "auto",
     weight_dtype: o.WeightDtype = "auto",
+    quantization: o.Quantization = None,
     kv_cache_dtype: o.KvCacheDtype = "auto",
     max_num_seqs: o.MaxNumSeqs = None,
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
@@ -137,7 +138,7 @@ def throughput(
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                            enable_prefix_caching=False if latency else None, seed=seed,
                            generation_config="vllm", device=device, weight_dtype=weight_dtype,
-                           kv_cache_dtype=kv_cache_dtype)
+                           kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     kwargs["quiet"] = True
     if threads is not None:
         kwargs["num_threads"] = threads  # the engine sets torch's thread count itself when it starts
@@ -159,7 +160,7 @@ def throughput(
         "torch": torch.__version__, "python": platform.python_version(),
     }
     ops = llm.engine.runner.ops
-    report["weight_dtype"] = str(ops.weight_dtype or llm.engine.dtype).removeprefix("torch.")
+    report["weight_dtype"] = ops.quantization or str(ops.weight_dtype or llm.engine.dtype).removeprefix("torch.")
     report["kv_cache_dtype"] = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
     if ops.cpu_tier is not None:  # the CPU path: its tier of native kernels and the flags that chose it
         from ..kernels.cpu_features import detect

@@ -13,7 +13,6 @@ The math is pure (tested on known numbers); only `measure_*` touch torch.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -53,7 +52,7 @@ def compute_ceiling_tok_s(num_linear_params: int, gemm_flops_per_s: float) -> fl
     return gemm_flops_per_s / (2.0 * num_linear_params)
 
 
-def bandwidth_ceiling_tok_s(num_linear_params: int, bytes_per_param: int, bytes_per_s: float) -> float:
+def bandwidth_ceiling_tok_s(num_linear_params: int, bytes_per_param: float, bytes_per_s: float) -> float:
     """Batch-1 decode: tokens/s if each token read every linear weight once at the measured bandwidth."""
     return bytes_per_s / (num_linear_params * bytes_per_param)
 
@@ -89,10 +88,11 @@ class Ceilings:
 
 def ceilings_for(config, dtype: str, rates: MachineRates, weight_dtype: str | None = None) -> Ceilings:
     """The ceilings of a `dtype` model whose linear weights are stored as `weight_dtype` (default:
-    `dtype`; an fp32 model streaming fp16 weights reads 2 bytes per weight, computes at the fp32 rate)."""
+    `dtype`; an fp32 model streaming fp16 weights reads 2 bytes per weight, computes at the fp32 rate;
+    q8_0 reads 17/16 bytes: an int8 and a 32nd of an fp16 scale)."""
     n = linear_params(config).total
     weight_dtype = weight_dtype or dtype
-    nbytes = 2 if weight_dtype in ("bfloat16", "float16") else 4
+    nbytes = {"bfloat16": 2, "float16": 2, "q8_0": 17 / 16}.get(weight_dtype, 4)
     gflops = rates.gemm_gflops.get(dtype) or rates.gemm_gflops["float32"]
     return Ceilings(dtype=dtype, num_linear_params=n,
                     compute_tok_s=compute_ceiling_tok_s(n, gflops * 1e9),

@@ -24,6 +24,10 @@ Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16.",
 WeightDtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16: how linear weights are stored "
                                           "(auto: fp16 under an fp32 model on CPUs without fast bf16, widened in "
                                           "registers; float32 keeps them exact).", rich_help_panel=ENGINE)]
+Quantization = Annotated[Optional[str], typer.Option(
+    help="q8_0: quantize the linear weights at load (int8 + an fp16 scale per 32, as llama.cpp's Q8_0; "
+         "fp32 arithmetic, CPU only): about half the bytes of fp16 per decode step, a small accuracy cost "
+         "(docs/performance.md). Unset: no quantization.", rich_help_panel=ENGINE)]
 KvCacheDtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16: how the KV cache is stored "
                                            "(auto: like the weights).", rich_help_panel=ENGINE)]
 MaxModelLen = Annotated[Optional[int], typer.Option(help="Prompt + output tokens per sequence "

@@ -34,7 +34,8 @@ def resolve_chat_template(value: str | None) -> str | None:
 def engine_kwargs(*, dtype: str, max_model_len: int | None, max_num_seqs: int | None,
                   max_num_batched_tokens: int | None, kv_cache_memory: str | None,
                   enable_prefix_caching: bool | None, seed: int | None, generation_config: str | None,
-                  device: str | None, weight_dtype: str = "auto", kv_cache_dtype: str = "auto") -> dict[str, Any]:
+                  device: str | None, weight_dtype: str = "auto", kv_cache_dtype: str = "auto",
+                  quantization: str | None = None) -> dict[str, Any]:
     """vbatch.LLM keyword arguments for the flags the user set (unset flags keep the engine's defaults)."""
     from ..engine.config import parse_bytes
 
@@ -43,7 +44,7 @@ def engine_kwargs(*, dtype: str, max_model_len: int | None, max_num_seqs: int | 
                               "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
                               "max_num_batched_tokens": max_num_batched_tokens,
                               "enable_prefix_caching": enable_prefix_caching, "seed": seed,
-                              "generation_config": generation_config, "device": device}
+                              "generation_config": generation_config, "device": device, "quantization": quantization}
     if kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = parse_bytes(kv_cache_memory, "--kv-cache-memory")
     return {k: v for k, v in kwargs.items() if v is not None}
@@ -63,14 +64,14 @@ def load_llm(model: str, kwargs: dict[str, Any]) -> Any:
 def output_options(*, model: str, dtype: str, max_model_len: int | None, seed: int | None,
                    generation_config: str | None, chat_template: str | None,
                    defaults: dict[str, Any], weight_dtype: str = "auto",
-                   kv_cache_dtype: str = "auto") -> dict[str, Any]:
+                   kv_cache_dtype: str = "auto", quantization: str | None = None) -> dict[str, Any]:
     """The options that change what an output record holds: a resumed run must use the same ones.
     (The storage dtypes only when set, so manifests written before the options existed still match.)"""
     digest = hashlib.sha256(chat_template.encode()).hexdigest() if chat_template is not None else None
     options = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "seed": seed,
                "generation_config": generation_config, "chat_template_sha256": digest, "sampling_defaults": defaults}
-    storage = {"weight_dtype": weight_dtype, "kv_cache_dtype": kv_cache_dtype}
-    return options | {k: v for k, v in storage.items() if v != "auto"}
+    storage = {"weight_dtype": weight_dtype, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization}
+    return options | {k: v for k, v in storage.items() if v not in ("auto", None)}
 
 
 @handle_errors
@@ -80,6 +81,7 @@ def run(
     model: o.Model = "smollm2-135m-instruct",
     dtype: o.Dtype = "auto",
     weight_dtype: o.WeightDtype = "auto",
+    quantization: o.Quantization = None,
     kv_cache_dtype: o.KvCacheDtype = "auto",
     max_model_len: o.MaxModelLen = None,
     max_num_seqs: o.MaxNumSeqs = None,
@@ -120,7 +122,7 @@ def run(
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                            enable_prefix_caching=enable_prefix_caching, seed=seed,
                            generation_config=generation_config, device=device, weight_dtype=weight_dtype,
-                           kv_cache_dtype=kv_cache_dtype)
+                           kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     template = resolve_chat_template(chat_template)
     if max_in_flight is not None and max_in_flight < 1:
         raise ConfigError("--max-in-flight", f"must be >= 1, got {max_in_flight}")
@@ -128,7 +130,8 @@ def run(
         command="run", file=file, output=output, model=model, engine_kwargs=kwargs,
         output_options=output_options(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                       generation_config=generation_config, chat_template=template,
-                                      defaults=defaults, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype),
+                                      defaults=defaults, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype,
+                                      quantization=quantization),
         make_job=lambda llm: GenerateJob(llm, defaults, template), sampling_defaults=defaults,
         max_in_flight=max_in_flight or 2 * (max_num_seqs or 256), metrics_json=metrics_json,
         on_error="fail" if strict else on_error, shard=shard, resume=resume, overwrite=overwrite,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "q8_0")   # kernels/q8_0.py
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
@@ -49,6 +50,11 @@ class ModelConfig:
     fp32 in registers: half the bytes per decode step, every product and sum still fp32 (tolerance:
     docs/performance.md). float16 / bfloat16 ask for that under dtype float32 on any CPU; float32
     keeps them exact."""
+    quantization: str | None = None
+    """None | q8_0: q8_0 quantizes the linear layers' weights at load (int8 and an fp16 scale per
+    32 weights, as llama.cpp's Q8_0; kernels/q8_0.py), computed in fp32: about half the bytes of
+    fp16 per decode step, for a small error (greedy agreement: docs/performance.md). CPU only;
+    dtype auto then means float32. Never a default."""
     max_model_len: int | None = None
     """Prompt + output tokens per sequence; default: the model's max_position_embeddings."""
     seed: int = 0
@@ -68,6 +74,9 @@ class ModelConfig:
             raise ConfigError("dtype", f"must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.weight_dtype not in _DTYPES:
             raise ConfigError("weight_dtype", f"must be one of {', '.join(_DTYPES)}, got {self.weight_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError("quantization", f"must be one of {', '.join(q for q in QUANTIZATIONS if q)} "
+                              f"(or unset), got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len", f"must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -29,10 +29,20 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
-def resolve_dtype(name: str, device: torch.device, *, exact_on_cpu: bool = False) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, *, exact_on_cpu: bool = False,
+                  quantization: str | None = None) -> torch.dtype:
     """auto: bf16 where the device computes it fast (CUDA with bf16, CPUs with avx512_bf16), else fp32.
     `exact_on_cpu`: a model family whose outputs are compared with fp32 references (embeddings) keeps
-    fp32 on every CPU under auto; `--dtype bfloat16` still asks for bf16."""
+    fp32 on every CPU under auto; `--dtype bfloat16` still asks for bf16. A `quantization` (q8_0)
+    computes in fp32 on the CPU: auto is then fp32, any other dtype or device a ConfigError."""
+    if quantization is not None:
+        if device.type != "cpu":
+            raise ConfigError("quantization", f"{quantization} weights run on the CPU only, not {device}",
+                              hint="use --device cpu, or leave --quantization unset")
+        if name not in ("auto", "float32"):
+            raise ConfigError("quantization", f"{quantization} weights are computed in fp32, not {name}",
+                              hint="use --dtype auto or float32 with --quantization")
+        return torch.float32
     if name != "auto":
         dtype = _NAMED[name]
         if device.type == "cpu" and dtype == torch.float16:

@@ -32,7 +32,8 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, tokenizer: str | None = None, dtype: str = "auto",
-                 weight_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
+                 weight_dtype: str = "auto", quantization: str | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, kv_cache_memory: int | str | None = None,
                  kv_cache_dtype: str = "auto",
@@ -41,7 +42,7 @@ class LLM:
                  num_threads: int | None = None, io_processor_plugin: str | None = None,
                  io_processor_options: dict[str, Any] | None = None, quiet: bool = False) -> None:
         model_cfg = ModelConfig(model=str(model), tokenizer=tokenizer, dtype=dtype, weight_dtype=weight_dtype,
-                                max_model_len=max_model_len,
+                                quantization=quantization, max_model_len=max_model_len,
                                 seed=seed, generation_config=generation_config, device=device,
                                 num_threads=num_threads)
         cache_cfg = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype,

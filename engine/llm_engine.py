@@ -82,7 +82,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device,
-                                   exact_on_cpu=getattr(get_model_class(self.hf_config), "exact_on_cpu", False))
+                                   exact_on_cpu=getattr(get_model_class(self.hf_config), "exact_on_cpu", False),
+                                   quantization=config.model.quantization)
         torch.manual_seed(config.model.seed)
         runner_cls = PoolingModelRunner if self.is_pooling_model else ModelRunner
         runner = runner_cls(config, self.hf_config, self.model_path, self.device, self.dtype)

@@ -17,10 +17,12 @@ import psutil
 import torch
 
 from ..kernels.ops import Ops, get_ops
+from ..kernels.q8_0 import QuantizationError
 from .compile_times import CompileTimes
 from .config import EngineConfig
 from .cuda_graphs import capture_decode_graphs
 from .device import resolve_kv_cache_dtype, resolve_weight_dtype
+from .errors import ConfigError
 from .inputs import ModelInputs, prepare_inputs
 from .models.registry import get_model_class
 from .models.weights import iter_weights
@@ -84,8 +86,13 @@ class ModelRunner:
     def load_model(self) -> None:
         t0 = time.perf_counter()
         cls = get_model_class(self.hf_config)
-        self.ops = get_ops(self.device, self.dtype, weight_dtype=self.weight_dtype,
-                           kv_cache_dtype=self.requested_kv_dtype, prefer_half=self.config.model.dtype == "auto")
+        quantization = self.config.model.quantization
+        try:
+            self.ops = get_ops(self.device, self.dtype, weight_dtype=self.weight_dtype,
+                               kv_cache_dtype=self.requested_kv_dtype, prefer_half=self.config.model.dtype == "auto",
+                               quantization=quantization)
+        except QuantizationError as e:
+            raise ConfigError("quantization", str(e), hint="leave --quantization unset") from e
         self.kv_dtype = self.ops.kv_cache_dtype or self.dtype
         with torch.device(self.device):
             model = cls(self.hf_config, dtype=self.dtype, device=self.device,
@@ -97,7 +104,7 @@ class ModelRunner:
         # The native CPU sampler (kernels/csrc/cpu_sample.c) reads the model's own logits.
         self.sampler = Sampler(native=self.ops.native)
         logger.info("ops %s, linear weights stored as %s, KV cache as %s", self.ops.name,
-                    str(self.ops.weight_dtype or self.dtype).removeprefix("torch."),
+                    self.ops.quantization or str(self.ops.weight_dtype or self.dtype).removeprefix("torch."),
                     str(self.kv_dtype).removeprefix("torch."))
         self.load_seconds = time.perf_counter() - t0
 
@@ -161,7 +168,6 @@ class ModelRunner:
         else:
             num_blocks = min(self.kv_budget_bytes() // self.bytes_per_block(), self.max_useful_blocks())
         if num_blocks < 2:
-            from .errors import ConfigError
             raise ConfigError("kv_cache_memory", f"leaves {num_blocks} KV blocks of {self.bytes_per_block()} bytes",
                               hint="raise --kv-cache-memory or lower --max-model-len")
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)

@@ -21,6 +21,7 @@ from ..kernels.ops import Ops, get_ops
 from .compile_times import CompileTimes
 from .config import EngineConfig
 from .encoder_inputs import prepare_encoder_batch
+from .errors import ConfigError
 from .model_runner import cpu_thread_count
 from .models.pooling_config import PoolerConfig, read_pooler_config
 from .models.registry import get_model_class
@@ -61,7 +62,11 @@ class PoolingModelRunner:
         t0 = time.perf_counter()
         cls = get_model_class(self.hf_config)
         # Encoders are compute-bound (every token of every prompt through every GEMM): weights stay
-        # in the model's dtype, where the prepacked GEMMs are fastest.
+        # in the model's dtype, where the prepacked GEMMs are fastest (and are never quantized).
+        if self.config.model.quantization is not None:
+            raise ConfigError("quantization", f"{self.config.model.quantization} applies to generative models; "
+                              f"{type(self).__name__} runs pooling models in their own dtype",
+                              hint="leave --quantization unset for embedding and encoder models")
         self.ops = get_ops(self.device, self.dtype)
         with torch.device(self.device):
             model = cls(self.hf_config, dtype=self.dtype, device=self.device, ops=self.ops)

@@ -27,6 +27,12 @@ the weight is rounded to it once here, and both paths compute with the rounded v
 GEMM holds them widened back to fp32, the small-rows kernel streams them in half precision. So the
 layer is one well-defined function (fp16 weights, fp32 arithmetic) whatever the batch size, and
 the decode steps read half the bytes.
+
+NOTE: Q8_0 weights (`quantization="q8_0"`, an fp32 model, explicit opt-in): the same rule one step
+further. The weight is quantized once (kernels/q8_0.py: int8 and an fp16 scale per 32); the
+small-rows kernel streams those bytes (53% of fp16's), the packed GEMM holds their dequantized fp32
+values, so every batch size computes with the same weights q * d. A linear whose input width is not
+a whole number of 32-blocks keeps `weight_dtype` (logged).
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import q8_0
 
 logger = logging.getLogger(__name__)
 
@@ -176,14 +184,20 @@ class PackedLinear(nn.Module):
     SMALL_ROWS = 4
 
     def __init__(self, linear: nn.Linear, *, backend: GemmBackend | None = None, native=None,
-                 weight_dtype: torch.dtype | None = None, pack: bool = True) -> None:
+                 weight_dtype: torch.dtype | None = None, pack: bool = True, quantization: str | None = None) -> None:
         super().__init__()
         dtype = linear.weight.dtype
-        self.weight_dtype = weight_dtype or dtype
         self.backend = backend or gemm_backend(dtype)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        stored = linear.weight.detach().to(self.weight_dtype)       # [out, in]: the layer's weights, rounded once
-        self.compute_weight = stored.to(dtype) if self.weight_dtype != dtype else stored
+        self.quantization = quantization if quantization and self._quantizes(dtype, native) else None
+        if self.quantization:  # Q8_0 rows for the kernel; their dequantized values for the GEMM
+            self.weight_dtype = torch.int8
+            stored = q8_0.quantize(linear.weight)                   # [out, in * 17 / 16] int8
+            self.compute_weight = q8_0.dequantize(stored, self.in_features).to(dtype)
+        else:
+            self.weight_dtype = weight_dtype or dtype
+            stored = linear.weight.detach().to(self.weight_dtype)   # [out, in]: the layer's weights, rounded once
+            self.compute_weight = stored.to(dtype) if self.weight_dtype != dtype else stored
         # Buffers, not parameters: nothing trains, and the packed tensor is not a plain [out, in] matrix.
         self.register_buffer("packed_weight", self.backend.pack(self.compute_weight) if pack else None,
                              persistent=False)
@@ -192,6 +206,18 @@ class PackedLinear(nn.Module):
         self.register_buffer("small_weight", stored.contiguous() if self.native else None, persistent=False)
         if pack:
             self.compute_weight = None  # the packed copy serves; only PackedGateUp still slices it
+
+    def _quantizes(self, dtype: torch.dtype, native) -> bool:
+        """Whether `quantization` applies to this layer (else it keeps weight_dtype, logged)."""
+        if dtype != torch.float32 or native is None or not native.has_small_linear(dtype, torch.int8):
+            raise q8_0.QuantizationError(f"Q8_0 weights need an fp32 model and the native CPU kernels "
+                                         f"(model dtype {str(dtype).removeprefix('torch.')}, native kernels "
+                                         f"{'built' if native is not None else 'not built'})")
+        if not q8_0.can_quantize(self.in_features):
+            logger.warning("a [%d, %d] linear keeps its unquantized weights: Q8_0 needs whole blocks of %d inputs",
+                           self.out_features, self.in_features, q8_0.BLOCK)
+            return False
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = self._small(x)
@@ -220,7 +246,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"gemm={self.backend.name}, weights={str(self.weight_dtype).removeprefix('torch.')}")
+                f"gemm={self.backend.name}, weights={self.quantization or str(self.weight_dtype).removeprefix('torch.')}")
 
 
 class PackedGateUp(PackedLinear):
@@ -264,7 +290,8 @@ class PackedGateUp(PackedLinear):
         return out.view(*x.shape[:-1], self.out_features // 2)
 
 
-def pack_gate_up(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None = None) -> nn.Module:
+def pack_gate_up(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None = None,
+                 quantization: str | None = None) -> nn.Module:
     """The packed twin of a gated MLP's merged gate/up `linear`: for bf16 with `silu_and_mul` fused
     into its GEMMs; for fp32 one plain packed GEMM (the model then applies the op's SiLU-and-mul),
     because oneDNN's fp32 post-ops ran slower than the GEMM plus the native op on Zen 3 (2 threads,
@@ -273,13 +300,15 @@ def pack_gate_up(linear: nn.Linear, native=None, weight_dtype: torch.dtype | Non
     if not can_pack(linear.weight.dtype):
         return linear
     if linear.weight.dtype != torch.bfloat16:
-        return PackedLinear(linear, native=native, weight_dtype=weight_dtype)
+        return PackedLinear(linear, native=native, weight_dtype=weight_dtype, quantization=quantization)
     return PackedGateUp(linear, native=native, weight_dtype=weight_dtype)
 
 
-def pack_linear(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None = None) -> nn.Module:
-    """The packed twin of `linear`, its weights stored in `weight_dtype` (default: its own), the
-    small-rows kernel of `native` (NativeKernels) for 1-4 rows where it has one."""
+def pack_linear(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None = None,
+                quantization: str | None = None) -> nn.Module:
+    """The packed twin of `linear`, its weights stored in `weight_dtype` (default: its own) or as
+    `quantization` ("q8_0", fp32 models), the small-rows kernel of `native` (NativeKernels) for 1-4
+    rows where it has one."""
     if not can_pack(linear.weight.dtype):
         return linear
-    return PackedLinear(linear, native=native, weight_dtype=weight_dtype)
+    return PackedLinear(linear, native=native, weight_dtype=weight_dtype, quantization=quantization)

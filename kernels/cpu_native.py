@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from . import q8_0
 from .attention_metadata import AttentionMetadata
 from .cpu_features import CpuTier, selected_tier
 
@@ -54,8 +55,9 @@ VARIANTS = {(torch.float32, torch.float32): ("f32", ("-DVB_ACT_F32",)),
             (torch.float32, torch.bfloat16): ("f32_kvbf16", ("-DVB_ACT_F32", "-DVB_KV_BF16")),
             (torch.bfloat16, torch.bfloat16): ("bf16", ())}
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
-# cpu_linear_small.c's weight formats (vb_kernels.h VB_WEIGHT_*)
-WEIGHT_FORMAT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# cpu_linear_small.c's weight formats (vb_kernels.h VB_WEIGHT_*); an int8 weight is always in the
+# Q8_0 row layout (kernels/q8_0.py)
+WEIGHT_FORMAT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, more than 16 query heads per kv head, "
                "or block size above 1024)",
            2: "out of memory for scratch buffers"}
@@ -216,15 +218,18 @@ class NativeKernels:
     def linear_small(
         self,
         rows: torch.Tensor,         # [M, in] fp32 / bf16, M <= 8 (cpu_linear_small.c's MAX_ROWS)
-        weight: torch.Tensor,       # [out, in] contiguous: fp32, fp16 or bf16 (fp32 rows), bf16 (bf16 rows)
+        weight: torch.Tensor,       # [out, in] contiguous: fp32, fp16 or bf16 (fp32 rows), bf16 (bf16 rows);
+                                    # or int8 [out, in * 17 / 16], Q8_0 rows (kernels/q8_0.py; fp32 rows)
         bias: torch.Tensor | None,  # [out], rows' dtype
         num_threads: int,
     ) -> torch.Tensor | None:       # [M, out], rows' dtype; None: no such kernel in this build / M > 8
         rows = rows.contiguous()
+        in_features = q8_0.in_features_of(weight) if weight.dtype == torch.int8 else weight.shape[1]
+        assert weight.is_contiguous() and rows.shape[1] == in_features
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype)
         rc = self._fn("vb_linear_small", rows.dtype)(
             rows.data_ptr(), weight.data_ptr(), WEIGHT_FORMAT[weight.dtype], None if bias is None else bias.data_ptr(),
-            out.data_ptr(), rows.shape[0], weight.shape[0], weight.shape[1], num_threads)
+            out.data_ptr(), rows.shape[0], weight.shape[0], in_features, num_threads)
         return out if rc == 0 else None
 
     def read_probe(self, buffer: torch.Tensor, streams: int, num_threads: int) -> int:
@@ -237,12 +242,13 @@ class NativeKernels:
 
     def has_small_linear(self, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> bool:
         """Whether this build has the small-rows linear kernel for `dtype` rows and `weight_dtype`
-        weights (default: the rows' dtype); bf16 rows need avx512_bf16."""
+        weights (default: the rows' dtype; int8: Q8_0 rows); bf16 rows need avx512_bf16, Q8_0 fp32 rows."""
         weight_dtype = weight_dtype or dtype
         key = (dtype, weight_dtype)
         if key not in self._small_linear:
-            probe = torch.zeros(1, 32, dtype=dtype)
-            weights = torch.zeros(16, 32, dtype=weight_dtype)
+            probe = torch.zeros(1, q8_0.BLOCK, dtype=dtype)
+            weights = (q8_0.quantize(torch.zeros(16, q8_0.BLOCK)) if weight_dtype == torch.int8
+                       else torch.zeros(16, q8_0.BLOCK, dtype=weight_dtype))
             self._small_linear[key] = (has_variant(dtype) and weight_dtype in WEIGHT_FORMAT
                                        and self.linear_small(probe, weights, None, 1) is not None)
         return self._small_linear[key]

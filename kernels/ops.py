@@ -75,6 +75,7 @@ class Ops:
     native: Any = None                  # the NativeKernels they call (CPU); the sampler reads the model's logits with it
     cpu_tier: Any = None                # the cpu_features.CpuTier they were chosen for (CPU)
     weight_dtype: torch.dtype | None = None  # how the linear weights are stored (None: the model's dtype)
+    quantization: str | None = None     # "q8_0": the linear weights quantized (kernels/q8_0.py); None: stored as weight_dtype
     kv_cache_dtype: torch.dtype | None = None  # how the KV cache is stored (None: the model's dtype)
     compiles_on_first_use: bool = False  # inductor-compiled paths: the runner warms them up before the first step
     graph_capturable: bool = False      # CUDA graphs may capture them (Triton: no host-side lengths read)
@@ -97,22 +98,30 @@ _ENCODER_FAST = dict(layer_norm=torch_encoder.layer_norm, add_layer_norm=torch_e
 
 
 def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtype: torch.dtype | None,
-             prefer_half: bool, tier) -> Ops:
+             prefer_half: bool, tier, quantization: str | None = None) -> Ops:
     """The CPU ops for a `dtype` model on `tier` (kernels/cpu_features.py; None: the selected one).
 
     weight_dtype / kv_cache_dtype: how linear weights and the KV cache are stored (None: `dtype`, or
     the tier's half-precision format when `prefer_half` and the model is fp32 with native kernels
-    to stream it: dtype auto on a CPU without fast bf16)."""
-    from . import cpu_attention, cpu_features, cpu_linear, cpu_native, cpu_rotary
+    to stream it: dtype auto on a CPU without fast bf16). quantization "q8_0": the linear weights
+    quantized instead (kernels/q8_0.py; an fp32 model with the native kernels, else QuantizationError)."""
+    from . import cpu_attention, cpu_features, cpu_linear, cpu_native, cpu_rotary, q8_0
     from .cpu_native_ops import NativeOps
     tier = tier or cpu_features.selected_tier()
     native = cpu_native.load(tier)
+    if quantization is not None and (quantization != q8_0.NAME or dtype != torch.float32 or native is None
+                                     or not native.has_small_linear(dtype, torch.int8)
+                                     or not cpu_linear.can_pack(dtype)):
+        raise q8_0.QuantizationError(
+            f"{quantization} weights need an fp32 model, the native CPU kernels and oneDNN (here: "
+            f"{str(dtype).removeprefix('torch.')} model, native kernels {'built' if native else 'not built'})")
     fast_bf16 = tier.bf16_compute and cpu_linear.can_pack(torch.bfloat16)
     half = dtype == torch.float32 and prefer_half and native is not None
     weight_dtype = weight_dtype or (tier.half_dtype if half else dtype)
     kv_cache_dtype = kv_cache_dtype or (tier.half_dtype if half else dtype)
     ops = dataclasses.replace(REFERENCE_OPS, name=f"cpu-{_short(dtype)}-{tier.name}", cpu_tier=tier,
-                              weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, **_ENCODER_FAST)
+                              weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                              **_ENCODER_FAST)
     if dtype == torch.bfloat16 and fast_bf16:
         ops = dataclasses.replace(ops, apply_rotary=cpu_rotary.apply_rotary, prepare_rotary=cpu_rotary.prepare_rotary)
         if native is None:  # no C compiler: inductor's decode attention (compiled at the first steps)
@@ -122,8 +131,10 @@ def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtyp
         return dataclasses.replace(REFERENCE_OPS, cpu_tier=tier)
     if cpu_linear.can_pack(dtype) and (dtype == torch.float32 or fast_bf16):
         ops = dataclasses.replace(
-            ops, pack_linear=functools.partial(cpu_linear.pack_linear, native=native, weight_dtype=weight_dtype),
-            pack_gate_up=functools.partial(cpu_linear.pack_gate_up, native=native, weight_dtype=weight_dtype))
+            ops, pack_linear=functools.partial(cpu_linear.pack_linear, native=native, weight_dtype=weight_dtype,
+                                               quantization=quantization),
+            pack_gate_up=functools.partial(cpu_linear.pack_gate_up, native=native, weight_dtype=weight_dtype,
+                                           quantization=quantization))
     if native is not None:
         ops = NativeOps(native).bind(dataclasses.replace(ops, name=f"{ops.name}-native"))
     return ops
@@ -135,17 +146,21 @@ def _short(dtype: torch.dtype) -> str:
 
 def get_ops(device: torch.device | str, dtype: torch.dtype | None = None, *,
             weight_dtype: torch.dtype | None = None, kv_cache_dtype: torch.dtype | None = None,
-            prefer_half: bool = False, cpu_tier=None) -> Ops:
+            prefer_half: bool = False, cpu_tier=None, quantization: str | None = None) -> Ops:
     """The ops for `device` and the model's `dtype` (None: the references). CPU only: `weight_dtype`
     and `kv_cache_dtype` store the linear weights and the KV cache in another precision
     (engine/device.py validates the pairs), `prefer_half` lets an fp32 model store both in the
     tier's half-precision format where neither is given, and `cpu_tier` (a cpu_features.CpuTier
     this CPU runs; default the selected one) picks the kernels' build (the tests and benchmarks
-    compare tiers on one machine)."""
+    compare tiers on one machine); `quantization` "q8_0" quantizes the linear weights (fp32 CPU
+    models only: elsewhere a q8_0.QuantizationError)."""
     device = torch.device(device)  # validates the spelling early: a bad device fails at engine start
+    if quantization is not None and (device.type != "cpu" or dtype is None):
+        from .q8_0 import QuantizationError
+        raise QuantizationError(f"{quantization} weights run on the CPU only (device {device}, dtype {dtype})")
     if device.type == "cuda":
         from .triton_ops import cuda_ops  # the only place triton gets imported
         return cuda_ops(dataclasses.replace(REFERENCE_OPS, **_ENCODER_FAST))
     if device.type == "cpu" and dtype is not None:
-        return _cpu_ops(dtype, weight_dtype, kv_cache_dtype, prefer_half, cpu_tier)
+        return _cpu_ops(dtype, weight_dtype, kv_cache_dtype, prefer_half, cpu_tier, quantization)
     return REFERENCE_OPS

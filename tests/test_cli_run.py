@@ -43,6 +43,17 @@ def test_run_passes_the_storage_dtypes_and_records_them_in_the_manifest(tmp_path
     manifest = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())
     # a resume must use the same storage
     assert manifest["options"]["weight_dtype"] == "float16" and manifest["options"]["kv_cache_dtype"] == "bfloat16"
+    assert "quantization" not in manifest["options"]   # unset: manifests written before the option still match
+
+
+def test_run_passes_quantization_and_a_resume_must_match_it(tmp_path, loads):
+    f = write(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["run", f, "-o", str(out), "--quantization", "q8_0"])
+    assert result.exit_code == 0, result.output
+    assert loads[0][1] == {"dtype": "auto", "quantization": "q8_0"}
+    manifest = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())
+    assert manifest["options"]["quantization"] == "q8_0"
 
 
 def test_run_writes_ordered_records_and_metrics(tmp_path, loads):

@@ -23,7 +23,7 @@ import torch
 
 from conftest import NATIVE_TEST_TIERS
 from test_cpu_kernels import CASES, _random_step
-from vbatch.kernels import attention_ref, cpu_features, cpu_native, cpu_rotary
+from vbatch.kernels import attention_ref, cpu_features, cpu_native, cpu_rotary, q8_0
 from vbatch.kernels.cpu_native_ops import NativeOps
 
 TIERS = NATIVE_TEST_TIERS
@@ -220,6 +220,37 @@ def test_small_linear_any_output_count_and_team(native, dtype, threads):
             exact = x.double() @ weight.double().t() + bias.double()
             tol = exact.abs().amax(-1, keepdim=True) * tol_rel
             assert ((got.double() - exact).abs() <= tol).all(), (out_features, rows)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_small_linear_q8_0_weights_match_their_dequantized_product(native, threads):
+    # Q8_0 rows (kernels/q8_0.py): the kernel widens each int8 vector and multiplies it by its block's
+    # fp16 scale, so it computes with exactly q8_0.dequantize's weights; oracle: the fp64 product of
+    # those. Widths of 1-48 blocks, 1-8 rows of x (two passes above 4), output counts that leave
+    # uneven or empty streams, teams of 1-3 threads, every tier the fixture builds.
+    assert native.has_small_linear(torch.float32, torch.int8)
+    for in_features, out_features in ((32, 1), (576, 1029), (1536, 203), (96, 17), (64, 7)):
+        torch.manual_seed(in_features + out_features)
+        weight = torch.randn(out_features, in_features) * 0.05
+        weight[0, :32] = 0.0                                   # an all-zero block: scale 0
+        packed = q8_0.quantize(weight)
+        dequantized = q8_0.dequantize(packed, in_features).double()
+        bias = torch.randn(out_features)
+        for rows in (1, 2, 3, 4, 5, 8):
+            x = torch.randn(rows, in_features)
+            for b in (None, bias):
+                got = native.linear_small(x, packed, b, threads)
+                exact = x.double() @ dequantized.t() + (0 if b is None else b.double())
+                tol = exact.abs().amax(-1, keepdim=True) * 1e-5
+                assert got.shape == (rows, out_features) and got.dtype == torch.float32
+                assert ((got.double() - exact).abs() <= tol).all(), (in_features, out_features, rows)
+
+
+def test_small_linear_q8_0_refuses_bf16_rows(native):
+    # Q8_0 is an fp32-arithmetic format: bf16 rows have no Q8_0 kernel (the caller keeps its GEMM).
+    packed = q8_0.quantize(torch.randn(16, 64))
+    assert not native.has_small_linear(torch.bfloat16, torch.int8)
+    assert native.linear_small(torch.zeros(1, 64, dtype=torch.bfloat16), packed, None, 1) is None
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -15,8 +15,12 @@
 
 #include "vb_act.h"
 
-/* How a linear layer's weight is stored ([out, in], row-major); the arithmetic is fp32 whatever it is. */
-enum { VB_WEIGHT_F32 = 0, VB_WEIGHT_F16 = 1, VB_WEIGHT_BF16 = 2 };
+/* How a linear layer's weight is stored ([out, in], row-major); the arithmetic is fp32 whatever it is.
+ * VB_WEIGHT_Q8_0 (fp32 activations only; kernels/q8_0.py writes it): each output row is its in
+ * int8 values q followed by in / 32 fp16 scales d, one per block of 32 (in a multiple of 32), the
+ * weight being q * d (as llama.cpp's Q8_0, with the scales after the row's values). */
+enum { VB_WEIGHT_F32 = 0, VB_WEIGHT_F16 = 1, VB_WEIGHT_BF16 = 2, VB_WEIGHT_Q8_0 = 3 };
+#define VB_Q8_BLOCK 32
 
 /* cpu_paged_attention.c */
 typedef struct VbAttention VbAttention;

@@ -16,8 +16,10 @@
 #define VB_SIMD_H
 
 #include <stdint.h>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #if defined(VB_LANES)  /* tests only: another width in plain C (16 checks the AVX-512 code shape anywhere) */
@@ -132,6 +134,40 @@ static inline vh round_f16(vf f) {
 }
 
 static inline void store_f16(uint16_t *dst, vf f) { *(vh *)dst = round_f16(f); }
+
+/* One IEEE half-precision value -> fp32, exactly (the scalar of load_f16). */
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    union { uint32_t u; float f; } bits = {.u = (uint32_t)(h & 0x7fffu) << 13}, out;
+    out.f = bits.f * 0x1p112f;
+    if ((h & 0x7c00u) == 0x7c00u) out.u = bits.u | 0x7f800000u;
+    out.u |= (uint32_t)(h & 0x8000u) << 16;
+    return out.f;
+#endif
+}
+
+/* VL int8 values (any alignment) -> fp32, exactly.
+ * NOTE: intrinsics on x86 because GCC 12 turns the generic conversion of a narrow int8 vector into
+ * one scalar load and convert per lane (the AVX2 Q8_0 linear ran at a fifth of the fp16 one). */
+typedef int8_t vq __attribute__((vector_size(VL), aligned(1)));
+static inline vf load_i8(const int8_t *src) {
+#if VB_AVX512
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+#elif VL == 8 && defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
+#elif VL == 4 && defined(__SSE2__) && !defined(VB_LANES)
+    int32_t word;
+    __builtin_memcpy(&word, src, 4);
+    __m128i b = _mm_cvtsi32_si128(word);
+    b = _mm_unpacklo_epi8(b, b);                  /* each byte twice, then four times: */
+    b = _mm_unpacklo_epi16(b, b);                 /* the byte in the top of its 32-bit lane, */
+    return (vf)_mm_cvtepi32_ps(_mm_srai_epi32(b, 24));  /* shifted down with its sign */
+#else
+    return __builtin_convertvector(__builtin_convertvector(*(const vq *)src, vi), vf);
+#endif
+}
 
 /* Lane masks (all-ones lanes where true) and a select. */
 static inline vi mask_lanes_below(int n) { return (vi)LANE_INDEX < n; }  /* lane index < n */
