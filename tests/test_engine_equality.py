@@ -53,19 +53,24 @@ def prompts(smollm2_path):
     return ids
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(smollm2_path, prompts):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+def hf_greedy_tokens(model, prompts, max_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate` of each prompt alone (no padding), stopping at its EOS."""
     eos = model.generation_config.eos_token_id
     outs = []
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
                                eos_token_id=eos, pad_token_id=eos if isinstance(eos, int) else eos[0])
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smollm2_path, prompts):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+    return hf_greedy_tokens(model, prompts, MAX_TOKENS)
 
 
 def _run(smollm2_path, prompts, **engine_kwargs):

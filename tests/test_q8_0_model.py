@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from test_cpu_bf16 import NEAR_TIE, QUESTIONS, RAW, _prefill_logits, greedy_agreement
+from test_engine_equality import hf_greedy_tokens
 from vbatch import LLM, SamplingParams
 from vbatch.kernels import q8_0
 from vbatch.kernels.cpu_linear import PackedLinear
@@ -57,19 +58,12 @@ def hf_dequantized_greedy(smollm2_path, prompts):
                 w = module.weight
                 module.weight = torch.nn.Parameter(q8_0.dequantize(q8_0.quantize(w), w.shape[1]), requires_grad=False)
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
-    eos = model.generation_config.eos_token_id
-    outs, threads = [], torch.get_num_threads()
+    threads = torch.get_num_threads()
     torch.set_num_threads(len(os.sched_getaffinity(0)))   # the engines above set 1; the oracle may use every core
     try:
-        with torch.inference_mode():
-            for ids in prompts:
-                x = torch.tensor([ids])
-                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                   eos_token_id=eos, pad_token_id=eos if isinstance(eos, int) else eos[0])
-                outs.append(y[0, len(ids):].tolist())
+        return hf_greedy_tokens(model, prompts, MAX_TOKENS)
     finally:
         torch.set_num_threads(threads)
-    return outs
 
 
 def test_q8_0_is_what_the_engine_runs(quantized):
