@@ -189,7 +189,7 @@ class PackedLinear(nn.Module):
         dtype = linear.weight.dtype
         self.backend = backend or gemm_backend(dtype)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.quantization = quantization if quantization and self._quantizes(dtype, native) else None
+        self.quantization = quantization if quantization and self._quantizes() else None
         if self.quantization:  # Q8_0 rows for the kernel; their dequantized values for the GEMM
             self.weight_dtype = torch.int8
             stored = q8_0.quantize(linear.weight)                   # [out, in * 17 / 16] int8
@@ -207,12 +207,9 @@ class PackedLinear(nn.Module):
         if pack:
             self.compute_weight = None  # the packed copy serves; only PackedGateUp still slices it
 
-    def _quantizes(self, dtype: torch.dtype, native) -> bool:
-        """Whether `quantization` applies to this layer (else it keeps weight_dtype, logged)."""
-        if dtype != torch.float32 or native is None or not native.has_small_linear(dtype, torch.int8):
-            raise q8_0.QuantizationError(f"Q8_0 weights need an fp32 model and the native CPU kernels "
-                                         f"(model dtype {str(dtype).removeprefix('torch.')}, native kernels "
-                                         f"{'built' if native is not None else 'not built'})")
+    def _quantizes(self) -> bool:
+        """Whether `quantization` applies to this layer (else it keeps weight_dtype, logged). Where
+        it runs at all (fp32 models, the native kernels) kernels/ops.py `_cpu_ops` decides."""
         if not q8_0.can_quantize(self.in_features):
             logger.warning("a [%d, %d] linear keeps its unquantized weights: Q8_0 needs whole blocks of %d inputs",
                            self.out_features, self.in_features, q8_0.BLOCK)

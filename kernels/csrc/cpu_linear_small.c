@@ -103,44 +103,8 @@ static inline float weight_at(const void *w, int64_t k, const int FMT) {  /* one
     return load_w(h, 0, FMT)[0];
 }
 
-/* S output rows of M rows of x at once, the rows n[0..S) lying far apart: S sequential streams
- * per thread, each weight row read front to back, one FMA chain per (stream, x row); each weight
- * vector is used for all M rows of x, each x vector for all S streams.
- * NOTE: why several streams: a core keeps more cache misses in flight over several far-apart
- * sequential streams than over one. Measured on Zen 3, 2 threads, a 512 MB read
- * (cpu_read_probe.c): 21 GB/s with one stream per thread, 23 with two, 26 with four, 32 with
- * eight. This kernel over one [233472, 576] fp16 weight: 16.5 GB/s one row after another (the
- * earlier kernel), 22.5 with four streams; over the model's 120 decoder matrices in turn 16 ->
- * 19.9 (four streams, two chains) -> 20.5 (eight streams, one chain). From L2 it runs at 60 GB/s,
- * so memory, not the arithmetic, bounds it. Software prefetch 256-2048 bytes ahead in each
- * stream: no gain (15.5-20.5 GB/s, the longer distances slower). */
-static inline __attribute__((always_inline)) void rows_f32(
-        const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int *n,
-        const int S, const int M, const int FMT) {
-    const int esize = FMT == VB_WEIGHT_F32 ? 4 : 2;
-    const char *row[8];
-    for (int s = 0; s < S; ++s) row[s] = (const char *)w + (int64_t)n[s] * k_in * esize;
-    vf acc[8][4];
-    for (int s = 0; s < S; ++s)
-        for (int m = 0; m < M; ++m) acc[s][m] = splat(0.0f);
-    for (int k = 0; k + VL <= k_in; k += VL) {
-        vf xv[4];
-        for (int m = 0; m < M; ++m) xv[m] = load_f32(x + (int64_t)m * k_in + k);
-        for (int s = 0; s < S; ++s) {
-            const vf wv = load_w(row[s], k, FMT);
-            for (int m = 0; m < M; ++m) acc[s][m] += xv[m] * wv;
-        }
-    }
-    for (int s = 0; s < S; ++s)
-        for (int m = 0; m < M; ++m) {
-            float sum = hsum(acc[s][m]);
-            for (int k = k_in / VL * VL; k < k_in; ++k) sum += x[(int64_t)m * k_in + k] * weight_at(row[s], k, FMT);
-            y[(int64_t)m * n_out + n[s]] = sum + (bias ? bias[n[s]] : 0.0f);
-        }
-}
-
-/* rows_f32 for a VB_WEIGHT_Q8_0 weight (vb_kernels.h; k_in a multiple of 32): each weight vector
- * is widened from int8 and multiplied by its block's scale, w = q * d rounded to fp32 exactly as
+/* rows_f32 (below) for a VB_WEIGHT_Q8_0 weight (vb_kernels.h; k_in a multiple of 32): each weight
+ * vector is widened from int8 and multiplied by its block's scale, w = q * d rounded to fp32 exactly as
  * the reference dequantizes it (kernels/q8_0.py), then used like a widened half-precision one.
  * NOTE: why dequantize per vector rather than sum q * x per block and scale the block's sum: the
  * per-block sums would need S x M more accumulators than the 16 registers hold at 8 streams, and
@@ -183,6 +147,46 @@ static inline __attribute__((always_inline)) void rows_q8(
         for (int m = 0; m < M; ++m) y[(int64_t)m * n_out + n[s]] = hsum(acc[s][m]) + (bias ? bias[n[s]] : 0.0f);
 }
 
+/* S output rows of M rows of x at once, the rows n[0..S) lying far apart: S sequential streams
+ * per thread, each weight row read front to back, one FMA chain per (stream, x row); each weight
+ * vector is used for all M rows of x, each x vector for all S streams.
+ * NOTE: why several streams: a core keeps more cache misses in flight over several far-apart
+ * sequential streams than over one. Measured on Zen 3, 2 threads, a 512 MB read
+ * (cpu_read_probe.c): 21 GB/s with one stream per thread, 23 with two, 26 with four, 32 with
+ * eight. This kernel over one [233472, 576] fp16 weight: 16.5 GB/s one row after another (the
+ * earlier kernel), 22.5 with four streams; over the model's 120 decoder matrices in turn 16 ->
+ * 19.9 (four streams, two chains) -> 20.5 (eight streams, one chain). From L2 it runs at 60 GB/s,
+ * so memory, not the arithmetic, bounds it. Software prefetch 256-2048 bytes ahead in each
+ * stream: no gain (15.5-20.5 GB/s, the longer distances slower). */
+static inline __attribute__((always_inline)) void rows_f32(
+        const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int *n,
+        const int S, const int M, const int FMT) {
+    if (FMT == VB_WEIGHT_Q8_0) {
+        rows_q8(x, w, bias, y, n_out, k_in, n, S, M);
+        return;
+    }
+    const int esize = FMT == VB_WEIGHT_F32 ? 4 : 2;
+    const char *row[8];
+    for (int s = 0; s < S; ++s) row[s] = (const char *)w + (int64_t)n[s] * k_in * esize;
+    vf acc[8][4];
+    for (int s = 0; s < S; ++s)
+        for (int m = 0; m < M; ++m) acc[s][m] = splat(0.0f);
+    for (int k = 0; k + VL <= k_in; k += VL) {
+        vf xv[4];
+        for (int m = 0; m < M; ++m) xv[m] = load_f32(x + (int64_t)m * k_in + k);
+        for (int s = 0; s < S; ++s) {
+            const vf wv = load_w(row[s], k, FMT);
+            for (int m = 0; m < M; ++m) acc[s][m] += xv[m] * wv;
+        }
+    }
+    for (int s = 0; s < S; ++s)
+        for (int m = 0; m < M; ++m) {
+            float sum = hsum(acc[s][m]);
+            for (int k = k_in / VL * VL; k < k_in; ++k) sum += x[(int64_t)m * k_in + k] * weight_at(row[s], k, FMT);
+            y[(int64_t)m * n_out + n[s]] = sum + (bias ? bias[n[s]] : 0.0f);
+        }
+}
+
 /* Streams for M rows of x: S x M accumulators (independent FMA chains, enough to cover the FMA
  * latency at the rate memory feeds them) within 8 of the 16 registers of AVX2 (and SSE / NEON),
  * the rest for the x and weight vectors. */
@@ -200,11 +204,7 @@ static inline __attribute__((always_inline)) void share_f32(
         int n[8], valid = 0;
         for (int s = 0; s < S; ++s)
             if (begin + s * part + r < end) n[valid++] = begin + s * part + r;
-        if (FMT == VB_WEIGHT_Q8_0 && valid == S)
-            rows_q8(x, w, bias, y, n_out, k_in, n, S, M);
-        else if (FMT == VB_WEIGHT_Q8_0)
-            for (int s = 0; s < valid; ++s) rows_q8(x, w, bias, y, n_out, k_in, n + s, 1, M);
-        else if (valid == S)
+        if (valid == S)
             rows_f32(x, w, bias, y, n_out, k_in, n, S, M, FMT);
         else
             for (int s = 0; s < valid; ++s) rows_f32(x, w, bias, y, n_out, k_in, n + s, 1, M, FMT);
