@@ -80,9 +80,15 @@ class CpuFeatures:
     machine: str               # platform.machine(): x86_64, aarch64, ...
     model_name: str            # the CPU's marketing name, for reports
     flags: frozenset[str]      # /proc/cpuinfo `flags` (x86) or `Features` (ARM)
+    vendor: str = ""           # /proc/cpuinfo `vendor_id` (x86): AuthenticAMD, GenuineIntel; "" elsewhere
 
     def has(self, *flags: str) -> bool:
         return all(flag in self.flags for flag in flags)
+
+    @property
+    def is_amd(self) -> bool:
+        """An AMD x86 CPU: the one vendor whose tuned libraries (ZenDNN, kernels/cpu_linear.py) help."""
+        return self.vendor == "AuthenticAMD"
 
     @property
     def tiers(self) -> tuple[CpuTier, ...]:
@@ -98,26 +104,29 @@ class CpuFeatures:
         return " ".join(have) + (", no " + ", no ".join(missing) if missing else "")
 
 
-def _read_cpuinfo() -> tuple[str, frozenset[str]]:
+def _read_cpuinfo() -> tuple[str, str, frozenset[str]]:
+    """(model name, vendor_id, flags) of the first processor in /proc/cpuinfo."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or "unknown", frozenset()
-    model, flags = "unknown", frozenset()
+        return platform.processor() or "unknown", "", frozenset()
+    model, vendor, flags = "unknown", "", frozenset()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip().lower()
         if key in ("model name", "cpu model", "hardware") and model == "unknown":
             model = value.strip()
+        elif key == "vendor_id" and not vendor:
+            vendor = value.strip()
         elif key in ("flags", "features") and not flags:
             flags = frozenset(value.split())
-    return model, flags
+    return model, vendor, flags
 
 
 @functools.cache
 def detect() -> CpuFeatures:
-    model, flags = _read_cpuinfo()
-    return CpuFeatures(machine=platform.machine(), model_name=model, flags=flags)
+    model, vendor, flags = _read_cpuinfo()
+    return CpuFeatures(machine=platform.machine(), model_name=model, flags=flags, vendor=vendor)
 
 
 def tier_named(name: str, features: CpuFeatures | None = None) -> CpuTier:

@@ -13,13 +13,19 @@ against MKL's F.linear at 39 / 68 / 103 / 130 (bench/gemm_backends.py). The pack
 a weight layout: one packed tensor serves every batch size. Accumulation is fp32 inside the
 library; a bf16 output is rounded to bf16, exactly as `F.linear` does.
 
-NOTE: the GEMM library (`gemm_backend`): for bf16, AMD's ZenDNN plugin (`pip install -c
-constraints-cpu.txt ".[zen]"`, a wheel per torch release) when it loads, measured on Zen 4 2-8%
-faster than oneDNN on the model's shapes with weights rotating out of cache as in a model step (M =
-64: 330-386 vs 307-365 GFLOP/s, M = 256: 414-438 vs 401-423), one engine step 2-8% faster; for
-fp32, oneDNN, which ran ahead of zentorch's fp32 GEMM on Zen 3 (118 vs 112 GFLOP/s at 64 rows, 131
-vs 104 at 256). VBATCH_GEMM=onednn|zentorch|mkl overrides the choice (VBATCH_ZENTORCH=0 keeps
-zentorch out); `vbatch bench` prints the library in use.
+NOTE: the GEMM library (`gemm_backend`), chosen from the CPU (kernels/cpu_features.py), each
+choice measured by bench/gemm_backends.py on the model's shapes:
+  - bf16 on an AMD CPU: AMD's ZenDNN plugin (`pip install -c constraints-cpu.txt ".[zen]"`, a
+    wheel per torch release) when it loads, 2-8% faster than oneDNN on Zen 4 with weights rotating
+    out of cache as in a model step (M = 64: 330-386 vs 307-365 GFLOP/s, M = 256: 414-438 vs
+    401-423), one engine step 2-8% faster.
+  - bf16 on any other CPU: oneDNN, which runs AMX tiles where the CPU has them. On an Intel Xeon with
+    amx_bf16 (2 threads) zentorch's bf16 GEMM ran at 173-209 GFLOP/s against oneDNN's 721 / 1,483 /
+    1,898 at 64 / 256 / 2,048 rows (0.10-0.24x): ZenDNN has no AMX path.
+  - fp32: oneDNN, ahead of zentorch's fp32 GEMM on Zen 3 (118 vs 112 GFLOP/s at 64 rows, 131 vs 104
+    at 256) and on the Intel Xeon (206 vs 186 at 64, 289 vs 273 at 256; MKL within 5% there).
+VBATCH_GEMM=onednn|zentorch|mkl overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out);
+`vbatch bench` prints the library in use.
 
 NOTE: half-precision weights. With `weight_dtype` below the model's dtype (an fp32 model on a CPU
 without fast bf16: dtype auto streams its weights as fp16, cpu_features.CpuTier.half_dtype)
@@ -46,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import q8_0
+from . import cpu_features, q8_0
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +125,17 @@ def backend_named(name: str) -> GemmBackend | None:
     return {"onednn": lambda: ONEDNN, "mkl": lambda: MKL, "zentorch": _zentorch}[name]()
 
 
+def default_backend(dtype: torch.dtype, cpu: cpu_features.CpuFeatures) -> GemmBackend:
+    """The library measured fastest for `dtype` GEMMs on `cpu` (see the NOTE above): zentorch for
+    bf16 on an AMD CPU where its wheel loads, oneDNN otherwise."""
+    zen = _zentorch() if dtype == torch.bfloat16 and cpu.is_amd else None
+    return zen or ONEDNN
+
+
 @functools.cache
 def gemm_backend(dtype: torch.dtype = torch.bfloat16) -> GemmBackend:
     """The GEMM library for `dtype` (decided once per process): VBATCH_GEMM if it names one that
-    loads, else for bf16 zentorch where it loads and oneDNN otherwise, for fp32 oneDNN (see above)."""
+    loads, else `default_backend` for this CPU."""
     wanted = os.environ.get("VBATCH_GEMM", "").strip().lower()
     backend = None
     if wanted:
@@ -131,7 +144,7 @@ def gemm_backend(dtype: torch.dtype = torch.bfloat16) -> GemmBackend:
         else:
             backend = backend_named(wanted)
     if backend is None:
-        backend = (_zentorch() if dtype == torch.bfloat16 else None) or ONEDNN
+        backend = default_backend(dtype, cpu_features.detect())
     logger.info("CPU %s GEMMs: %s", str(dtype).removeprefix("torch."), backend.name)
     return backend
 

@@ -1,7 +1,7 @@
 """CPU feature detection and the native-kernel tier it selects (kernels/cpu_features.py).
 
-Oracles: hand-written /proc/cpuinfo excerpts of the two kinds of machine these tests run on (AMD
-Zen 4 with avx512_bf16, Zen 3 with AVX2 only), an aarch64 one and a CPU without AVX2; the engine's
+Oracles: hand-written /proc/cpuinfo excerpts of the kinds of machine these tests run on (AMD Zen 4
+with avx512_bf16, Zen 3 with AVX2 only, an Intel Xeon with AMX), an aarch64 one and a CPU without AVX2; the engine's
 dtype choice (engine/device.py) follows the tier.
 """
 from __future__ import annotations
@@ -17,6 +17,8 @@ from vbatch.kernels.cpu_features import AVX2, AVX512_BF16, PORTABLE, CpuFeatures
 ZEN4 = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi2 avx512f avx512dq avx512cd avx512bw "
         "avx512vl avx512_bf16 avx512vnni")
 ZEN3 = "fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi1 bmi2"
+INTEL_AMX = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi2 avx512f avx512dq avx512cd avx512bw "
+             "avx512vl avx_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8")   # Xeon (Sapphire Rapids on)
 OLD_X86 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx"           # AVX without AVX2/FMA
 ARM = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm"
 
@@ -26,7 +28,8 @@ def _features(flags: str, machine: str = "x86_64") -> CpuFeatures:
 
 
 @pytest.mark.parametrize("flags,want", [(ZEN4, ["avx512-bf16", "avx2", "portable"]), (ZEN3, ["avx2", "portable"]),
-                                        (OLD_X86, ["portable"])], ids=["zen4", "zen3", "avx-only"])
+                                        (INTEL_AMX, ["avx512-bf16", "avx2", "portable"]), (OLD_X86, ["portable"])],
+                         ids=["zen4", "zen3", "intel-amx", "avx-only"])
 def test_tiers_follow_the_flags(flags, want):
     assert [t.name for t in _features(flags).tiers] == want
 
@@ -40,12 +43,17 @@ def test_cpuinfo_is_parsed_for_x86_and_arm(tmp_path, monkeypatch):
     x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: " + ZEN3 + "\n\n" \
           "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: " + ZEN3 + "\n"
     arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: " + ARM + "\nCPU implementer\t: 0x41\n"
-    for text, model, tier in ((x86, "AMD EPYC 7B13", AVX2), (arm, "unknown", PORTABLE)):
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: " \
+            + INTEL_AMX + "\n"
+    for text, model, vendor, tier in ((x86, "AMD EPYC 7B13", "AuthenticAMD", AVX2), (arm, "unknown", "", PORTABLE),
+                                      (intel, "Intel(R) Xeon(R) Processor", "GenuineIntel", AVX512_BF16)):
         path = tmp_path / "cpuinfo"
         path.write_text(text)
         monkeypatch.setattr(cpu_features, "Path", lambda _p, path=path: path)
-        got_model, flags = cpu_features._read_cpuinfo()
-        assert got_model == model and CpuFeatures("m", got_model, flags).tiers[0] is tier
+        got_model, got_vendor, flags = cpu_features._read_cpuinfo()
+        cpu = CpuFeatures("m", got_model, flags, got_vendor)
+        assert (got_model, got_vendor) == (model, vendor) and cpu.tiers[0] is tier
+        assert cpu.is_amd == (vendor == "AuthenticAMD")
 
 
 def test_this_machine_runs_what_its_flags_say():

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from test_kernels_reference import make_metadata
-from vbatch.kernels import attention_ref, cpu_attention, cpu_linear
+from vbatch.kernels import attention_ref, cpu_attention, cpu_features, cpu_linear
 from vbatch.kernels.ops import REFERENCE_OPS, get_ops
 
 torch.set_num_threads(1)
@@ -141,6 +141,20 @@ def test_gemm_library_default_and_override(monkeypatch):
         assert cpu_linear.gemm_backend(torch.float32) is cpu_linear.ONEDNN
     finally:
         cpu_linear.gemm_backend.cache_clear()
+
+
+def test_gemm_library_follows_the_cpu(monkeypatch):
+    # bf16: zentorch only on AMD CPUs (where it was measured faster), oneDNN elsewhere (AMX on Intel,
+    # where zentorch ran at 0.10-0.24x); fp32: oneDNN everywhere.
+    amd = cpu_features.CpuFeatures("x86_64", "AMD EPYC", frozenset({"avx512_bf16"}), "AuthenticAMD")
+    intel = cpu_features.CpuFeatures("x86_64", "Intel Xeon", frozenset({"avx512_bf16", "amx_bf16"}), "GenuineIntel")
+    zen = cpu_linear._zentorch()
+    assert cpu_linear.default_backend(torch.bfloat16, intel) is cpu_linear.ONEDNN
+    assert cpu_linear.default_backend(torch.float32, amd) is cpu_linear.ONEDNN
+    assert cpu_linear.default_backend(torch.float32, intel) is cpu_linear.ONEDNN
+    assert cpu_linear.default_backend(torch.bfloat16, amd).name == (zen.name if zen else "onednn")
+    monkeypatch.setenv("VBATCH_ZENTORCH", "0")
+    assert cpu_linear.default_backend(torch.bfloat16, amd) is cpu_linear.ONEDNN
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
