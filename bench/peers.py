@@ -102,9 +102,10 @@ def build_spec(args, workdir: Path) -> dict:
             gguf = str(entry_file(CATALOGUE[args.model], cache_root(), quiet=True))
         except Exception:  # the GGUF is only for llama.cpp, which is optional
             gguf = None
-    from vbatch.kernels.cpu_features import detect, selected_tier
+    from vbatch.kernels.cpu_features import detect, machine_kind, selected_tier
     cpu = detect()
-    return {"cpu_kind": selected_tier().name, "cpu_flags": cpu.deciding_flags, "cpu_model": cpu.model_name,
+    return {"cpu_kind": machine_kind(), "cpu_tier": selected_tier().name, "cpu_flags": cpu.deciding_flags,
+            "cpu_model": cpu.model_name,
             "model": args.model, "model_dir": str(folder), "gguf": gguf, "prompts": prompts,
             "latency_prompt": latency_prompt, "input_len": str(lengths), "output_len": args.output_len,
             "threads": args.threads, "seed": args.seed, "latency_iters": 0 if args.skip_latency else args.latency_iters,

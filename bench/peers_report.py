@@ -3,7 +3,8 @@
 Pure formatting over the run records peers.py collected (plus a few facts read from the machine:
 lscpu, meminfo, versions, the git commit). Returns this CPU kind's section as markdown and, when
 given a path, writes it into that file (docs/benchmarks.md): one section per CPU kind (the native
-kernel tier that ran, kernels/cpu_features.py), between `<!-- cpu-kind NAME -->` markers; a run
+kernel tier that ran, and AMX where bf16 GEMMs use it: kernels/cpu_features.machine_kind), between
+`<!-- cpu-kind NAME -->` markers; a run
 replaces its own kind's section and keeps the others.
 """
 from __future__ import annotations
@@ -31,8 +32,9 @@ TARGETS = {
               "latency:llamacpp@vbatch-q8_0", 1.0),
              ("batch-1 decode ÷ bandwidth ceiling (the bytes vbatch reads: its weight storage)", "bandwidth", 0.70)],
 }
-KIND_TITLES = {"avx512-bf16": "AVX-512 with avx512_bf16", "avx2": "AVX2 + FMA + F16C, no AVX-512",
-               "portable": "no AVX2 (portable kernels)"}
+TARGETS["avx512-bf16-amx"] = TARGETS["avx512-bf16"]
+KIND_TITLES = {"avx512-bf16": "AVX-512 with avx512_bf16", "avx512-bf16-amx": "AVX-512 with avx512_bf16 and AMX",
+               "avx2": "AVX2 + FMA + F16C, no AVX-512", "portable": "no AVX2 (portable kernels)"}
 
 
 def _median(values):
@@ -217,7 +219,7 @@ def section(records: list[dict], ceilings: list[dict], spec: dict, args, argv: l
     title = KIND_TITLES.get(kind, kind)
     return "\n".join([
         f"<!-- cpu-kind {kind} -->",
-        f"## {title}: {facts['cpu']} (tier `{kind}`)",
+        f"## {title}: {facts['cpu']} (tier `{spec.get('cpu_tier', kind)}`)",
         "",
         f"CPU flags that chose the path: {spec.get('cpu_flags', facts['isa'])}.",
         "",
@@ -249,8 +251,9 @@ the same prompts (the same token ids: vbatch's seeded random dataset, ids unifor
 without special tokens), the same output length with EOS ignored, temperature 1, the same thread count,
 its own process and its own high-priority session; systems alternate and their order rotates every
 repetition. Numbers are medians over the repetitions. Engine build / model load is never timed (vLLM's
-`bench throughput` semantics). One section per CPU kind: the native-kernel tier vbatch ran
-(kernels/cpu_features.py) and the CPU flags that chose it; a run replaces its own kind's section."""
+`bench throughput` semantics). One section per CPU kind: the native-kernel tier vbatch ran, and AMX
+where its bf16 GEMMs ran on it (kernels/cpu_features.py), with the CPU flags that chose them; a run
+replaces its own kind's section."""
 
 FOOTER = """## Measuring vbatch alone
 

@@ -143,6 +143,14 @@ def tier_named(name: str, features: CpuFeatures | None = None) -> CpuTier:
     return tier
 
 
+def machine_kind(tier: CpuTier | None = None, cpu: CpuFeatures | None = None) -> str:
+    """The kind of machine a benchmark is filed under (docs/benchmarks.md): the tier's name, with
+    "-amx" where bf16 GEMMs run on AMX tiles (oneDNN's, kernels/cpu_linear.py: 2-4x the avx512_bf16
+    rate on an Intel Xeon), a different machine for every large-batch figure."""
+    tier, cpu = tier or selected_tier(), cpu or detect()
+    return tier.name + ("-amx" if tier.bf16_compute and cpu.has("amx_bf16") else "")
+
+
 def selected_tier() -> CpuTier:
     """The tier the engine builds and uses: VBATCH_CPU_TIER if set (it may only name a tier this
     CPU runs), else the fastest this CPU runs."""

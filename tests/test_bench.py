@@ -325,6 +325,15 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     assert "batch-1 output tok/s, vbatch ÷ llama.cpp: **1.00x**" in text            # 62 / 62
     assert "bandwidth ceiling (the bytes vbatch reads: its weight storage): **75%**" in text  # 60 / 80 (2-byte)
     assert "| float32 (float16 weights, float16 KV) |" in text and "| 32 sequences batched |" in text
+    # An AVX-512 machine whose bf16 GEMMs run on AMX is a kind of its own: a third section, the
+    # AVX-512 targets, the tier it ran named in its title; the other two kept.
+    amx = report.write_report(zen4, ceilings, spec | {"cpu_kind": "avx512-bf16-amx", "cpu_tier": "avx512-bf16"},
+                              SimpleNamespace(repeats=1), ["p"], out)
+    assert amx.startswith("<!-- cpu-kind avx512-bf16-amx -->\n## AVX-512 with avx512_bf16 and AMX: ")
+    assert "(tier `avx512-bf16`)" in amx and "vbatch ÷ vLLM CPU" in amx
+    final = out.read_text()
+    assert zen4_section in final and text in final and amx in final
+    assert final.index(zen4_section) < final.index(amx) < final.index(text)
 
 
 def test_gemm_backends_script_compares_the_libraries_the_engine_can_use():

@@ -34,6 +34,13 @@ def test_tiers_follow_the_flags(flags, want):
     assert [t.name for t in _features(flags).tiers] == want
 
 
+def test_machine_kind_names_amx_where_bf16_gemms_use_it():
+    assert cpu_features.machine_kind(AVX512_BF16, _features(INTEL_AMX)) == "avx512-bf16-amx"
+    assert cpu_features.machine_kind(AVX512_BF16, _features(ZEN4)) == "avx512-bf16"
+    assert cpu_features.machine_kind(AVX2, _features(INTEL_AMX)) == "avx2"      # a forced lower tier: no bf16 GEMMs
+    assert cpu_features.machine_kind(AVX2, _features(ZEN3)) == "avx2"
+
+
 def test_arm_runs_the_portable_tier():
     arm = _features(ARM, machine="aarch64")
     assert arm.tiers == (PORTABLE,) and PORTABLE.compile_flags == ()   # no x86 target flags
