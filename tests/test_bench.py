@@ -306,7 +306,11 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
                                                     "bfloat16": {"compute_tok_s": 90.0, "bandwidth_tok_s": 80.0}}}]
     zen4 = [_record("vbatch", "256", 0, 300.0)]
     report.write_report(zen4, ceilings, spec | {"cpu_kind": "avx512-bf16"}, SimpleNamespace(repeats=1), ["p"], out)
+    # what other scripts and people write after the kinds' sections stays where it is
+    report.write_section(out, "## Embeddings: a section of another script", "## Embeddings: a section of another "
+                         "script\n\nits table\n")
     first = out.read_text()
+    assert first.index("## Measuring vbatch alone") < first.index("## Embeddings: a section")
     vb = _record("vbatch", "256", 0, 130.0, decode=250.0, lat_decode=60.0)
     vb["result"].update(dtype="float32", weight_dtype="float16", kv_cache_dtype="float16")
     vb["result"]["latency"]["output_tokens_per_s"] = 62.0
@@ -333,7 +337,8 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     assert "(tier `avx512-bf16`)" in amx and "vbatch ÷ vLLM CPU" in amx
     final = out.read_text()
     assert zen4_section in final and text in final and amx in final
-    assert final.index(zen4_section) < final.index(amx) < final.index(text)
+    assert final.index(zen4_section) < final.index(amx) < final.index(text) < final.index("## Measuring vbatch")
+    assert final.endswith("## Embeddings: a section of another script\n\nits table\n")
 
 
 def test_gemm_backends_script_compares_the_libraries_the_engine_can_use():
