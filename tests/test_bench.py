@@ -353,6 +353,22 @@ def test_gemm_backends_script_compares_the_libraries_the_engine_can_use():
     assert "onednn" in line and "mkl" in line and "vbatch uses onednn" in line and "(1.00)" in line
 
 
+@pytest.mark.parametrize("dtype,weights", [("float32", "float16"), ("float32", "q8_0")])
+def test_small_rows_script_reads_the_model_weights(dtype, weights):
+    # fp32 rows (every tier has them) over one layer and the head: the bytes it says it read are the
+    # weights' (one layer + head: 3.07 M fp16 weights + 28.3 M head weights; q8_0 17/16 bytes each).
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "bench" / "small_rows.py"
+    done = subprocess.run([sys.executable, str(script), "--dtype", dtype, "--weights", weights, "--layers", "1",
+                           "--threads", "1", "--passes", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    weights_count = 960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536 + 49152 * 576
+    mb = weights_count * (2 if weights == "float16" else 17 / 16) / 1e6
+    assert f"5 matrices, {mb:.0f} MB: best " in done.stdout and " GB/s" in done.stdout, done.stdout
+
+
 def test_peers_report_ceilings_are_the_best_measurement():
     # Ceilings before and after the runs: the larger rate counts (interference only lowers one),
     # and a measurement without a bf16 GEMM rate is skipped, not a crash.

@@ -1,0 +1,75 @@
+"""The small-rows linear (decode at batch 1-4) over the model's weights as a decode step reads them.
+
+    python bench/small_rows.py [--rows 1] [--dtype bfloat16] [--weights bfloat16|float16|float32|q8_0]
+                               [--threads 2] [--passes 15] [--tier avx2]
+
+Each pass runs `NativeKernels.linear_small` (kernels/csrc/cpu_linear_small.c) over a SmolLM2-135M's
+linear weights in a decode step's order (30 x qkv [960, 576], o_proj [576, 576], gate/up [3072, 576],
+down [576, 1536], then the head [49152, 576]: 269 MB in bf16, far more than the caches), so every
+weight comes from memory as in the engine, and prints the weight bytes read per second (best and
+median of the passes). Compare it with the read ceiling (`python bench/ceilings.py`, the native read
+probe at 1-8 streams per thread): docs/performance.md records what it measured per CPU kind.
+Run it in its own high-priority session on a shared machine (REFERENCE 8):
+    setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/small_rows.py
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [out, in] of one SmolLM2 layer's linears
+HEAD = (49152, 576)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=1, help="rows of x (1-8)")
+    ap.add_argument("--dtype", default="bfloat16", help="activations: bfloat16 or float32")
+    ap.add_argument("--weights", default=None, help="bfloat16 | float16 | float32 | q8_0 (default: --dtype)")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=15)
+    ap.add_argument("--tier", default=None, help="a lower native tier this CPU runs (default: its best)")
+    args = ap.parse_args()
+
+    import torch
+
+    from vbatch.kernels import cpu_features, cpu_native, q8_0
+
+    torch.manual_seed(0)
+    tier = cpu_features.tier_named(args.tier) if args.tier else cpu_features.selected_tier()
+    native = cpu_native.load(tier)
+    dtype = getattr(torch, args.dtype)
+    weights_name = args.weights or args.dtype
+    stored = torch.int8 if weights_name == "q8_0" else getattr(torch, weights_name)
+    if native is None or not native.has_small_linear(dtype, stored):
+        raise SystemExit(f"the {tier.name} tier has no small-rows kernel for {args.dtype} rows over "
+                         f"{weights_name} weights")
+
+    def weight(out: int, k: int) -> torch.Tensor:
+        w = torch.randn(out, k) * 0.05
+        return q8_0.quantize(w) if weights_name == "q8_0" else w.to(stored)
+
+    shapes = [*LAYER * args.layers, HEAD]
+    weights = [(weight(n, k), k) for n, k in shapes]
+    xs = {k: torch.randn(args.rows, k).to(dtype) for k in {k for _, k in shapes}}
+    num_bytes = sum(w.numel() * w.element_size() for w, _ in weights)
+
+    def one_pass() -> float:
+        start = time.perf_counter()
+        for w, k in weights:
+            native.linear_small(xs[k], w, None, args.threads)
+        return time.perf_counter() - start
+
+    one_pass()  # warm-up: first calls load the library's entry points
+    seconds = [one_pass() for _ in range(args.passes)]
+    cpu = cpu_features.detect()
+    print(f"{cpu.model_name}; tier {tier.name}; {args.threads} threads; {args.rows} row(s) of {args.dtype} x "
+          f"{weights_name} weights, {len(shapes)} matrices, {num_bytes / 1e6:.0f} MB: best "
+          f"{num_bytes / min(seconds) / 1e9:.1f} GB/s, median {num_bytes / statistics.median(seconds) / 1e9:.1f} GB/s "
+          f"({statistics.median(seconds) * 1e3:.2f} ms a pass)")
+
+
+if __name__ == "__main__":
+    main()
