@@ -222,6 +222,31 @@ def test_small_linear_any_output_count_and_team(native, dtype, threads):
             assert ((got.double() - exact).abs() <= tol).all(), (out_features, rows)
 
 
+def test_small_linear_result_depends_on_neither_team_nor_neighbour_rows(native, dtype):
+    # The thread count decides which outputs are read as side-by-side streams and which one at a
+    # time, and a row of x may share its pass with others: every output must still be summed the
+    # same way, so the same request gives the same bits whatever the threads and the batch.
+    weight_dtype = torch.float16 if dtype == torch.float32 else torch.bfloat16
+    if not native.has_small_linear(dtype, weight_dtype):
+        pytest.skip(f"the {native.tier.name} tier has no bf16 small-rows kernel (it needs avx512_bf16)")
+    torch.manual_seed(5)
+    for out_features, in_features in ((1029, 72), (960, 576), (203, 1536)):
+        x = torch.randn(4, in_features)
+        x[:, [0, 32, 64]] = 1.0
+        weight = torch.randn(out_features, in_features)
+        # Every 5th output: 2^15 - 2^15 + 0.001 along the row, which fp32 sums to 0.001 or to 0 by
+        # order (2^15 + 0.001 rounds to 2^15); every term exact in fp16 and bf16.
+        weight[::5] = 0.0
+        weight[::5, 0], weight[::5, 32], weight[::5, 64] = 2.0 ** 15, -(2.0 ** 15), 0.001
+        x, weight = x.to(dtype), weight.to(weight_dtype)
+        bias = torch.randn(out_features).to(dtype)
+        want = native.linear_small(x, weight, bias, 1)
+        for threads in (2, 3):
+            assert torch.equal(native.linear_small(x, weight, bias, threads), want), (out_features, threads)
+        for row in range(4):
+            assert torch.equal(native.linear_small(x[row:row + 1], weight, bias, 2)[0], want[row]), (out_features, row)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_small_linear_q8_0_weights_match_their_dequantized_product(native, threads):
     # Q8_0 rows (kernels/q8_0.py): the kernel widens each int8 vector and multiplies it by its block's

@@ -28,67 +28,34 @@
 
 #if VB_ACT_BF16 && defined(__AVX512BF16__)
 
-/* Output rows [n0, n0 + 16) (fewer at the end) for every x row: each weight row is read once,
- * front to back, and used for all m_rows rows of x. */
-static void tile(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int m_rows, int n_out, int k_in,
-                 int n0) {
-    const int full = k_in / 32, tail = k_in % 32, nt = n_out - n0 < 16 ? n_out - n0 : 16;
-    const __mmask32 tail_mask = (__mmask32)((1ull << tail) - 1);
-    __m512 d[MAX_ROWS][16];
-    for (int j = 0; j < 16; ++j) {
-        if (j >= nt) {
-            for (int m = 0; m < m_rows; ++m) d[m][j] = _mm512_setzero_ps();
-            continue;
-        }
-        const bf16 *wr = w + (int64_t)(n0 + j) * k_in;
-        __m512 a0[MAX_ROWS], a1[MAX_ROWS];  /* two chains per x row: even and odd chunks */
-        for (int m = 0; m < m_rows; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-        int c = 0;
-        for (; c + 1 < full; c += 2) {
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + 32 * c);
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + 32 * c + 32);
-            for (int m = 0; m < m_rows; ++m) {
-                const bf16 *xm = x + (int64_t)m * k_in + 32 * c;
-                a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_loadu_si512(xm), w0);
-                a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)_mm512_loadu_si512(xm + 32), w1);
-            }
-        }
-        for (; c < full + (tail ? 1 : 0); ++c) {  /* an odd last chunk and the masked tail */
-            const __mmask32 mask = c < full ? (__mmask32)~0u : tail_mask;
-            const __m512bh wc = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + 32 * c);
-            for (int m = 0; m < m_rows; ++m)
-                a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (int64_t)m * k_in + 32 * c), wc);
-        }
-        for (int m = 0; m < m_rows; ++m) d[m][j] = _mm512_add_ps(a0[m], a1[m]);
-    }
-    const __mmask16 keep = (__mmask16)((1u << nt) - 1);
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16))
-                          : _mm512_setzero_ps();
-    for (int m = 0; m < m_rows; ++m)
-        _mm256_mask_storeu_epi16(y + (int64_t)m * n_out + n0, keep, (__m256i)round_bf16((vf)_mm512_add_ps(sum16x16(d[m]), b)));
-}
-
-/* S whole tiles of 16 output rows at once, starting at rows n0[0..S) that lie far apart, for M rows
- * of x: S sequential streams (each tile's rows read front to back, one after another), one
- * vdpbf16ps chain per (stream, x row), each weight chunk used for all M rows of x and each x chunk
- * for all S streams; the 16 sums of each (stream, x row) by one transposing tree at the end.
+/* S tiles of 16 output rows at once, starting at rows n0[0..S) that lie far apart, for M rows of
+ * x: S sequential streams (each tile's rows read front to back, one after another), one vdpbf16ps
+ * chain per (stream, x row) along each weight row, each weight chunk used for all M rows of x and
+ * each x chunk for all S streams; the 16 sums of each (stream, x row) by one transposing tree at
+ * the end. A tile may end before 16 rows (the weight's last: `last` rows, S == 1 only).
+ * Every output is summed the same way whichever S its tile went with, so the result does not
+ * depend on the thread count (which decides the streams) or on the rows of x beside it.
  * NOTE: why several streams and a software prefetch: one stream per core keeps too few misses in
  * flight. Measured on an Intel Xeon (AVX-512 + AMX, 2 threads): a plain read gets 25.9 GB/s with
  * one stream per thread, 29.8 with two, 30.9 with four (cpu_read_probe.c); this kernel over the
- * model's 120 decoder matrices and its head in turn (bf16, medians of 15 passes), at 1 / 2 / 4
- * rows of x: 14.2 / 12.8 / 11.0 GB/s one tile after another (`tile` above), 19.5 / 18.4 / 16.3
- * with four streams (eight: 19.0 at one row), 22.3-22.9 / 19.9-20.3 / 18.5-19.8 with each stream
- * also prefetched 2 KB ahead (512 B: 20.4-20.9, 1 KB: 20.2-21.8, 3 KB: 22.3, 4 KB: 20.9-21.8). */
+ * model's 120 decoder matrices and its head in turn (bench/small_rows.py, bf16, medians of 15
+ * passes), at 1 / 2 / 4 rows of x: 14.2 / 12.8 / 11.0 GB/s one tile after another (the kernel
+ * before), 19.5 / 18.4 / 16.3 with four streams (eight: 19.0 at one row), 22.3-22.9 / 19.9-20.3 /
+ * 18.5-19.8 with each stream also prefetched 2 KB ahead (512 B: 20.4-20.9, 1 KB: 20.2-21.8, 3 KB:
+ * 22.3, 4 KB: 20.9-21.8). */
 #define BF16_STREAMS 4
 #define BF16_PREFETCH 2048
-static inline __attribute__((always_inline)) void tiles_streams(
-        const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int n_out, int k_in, const int *n0,
+static inline __attribute__((always_inline)) void tiles(
+        const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int n_out, int k_in, const int *n0, int last,
         const int S, const int M) {
     const int full = k_in / 32, tail = k_in % 32;
     const __mmask32 tail_mask = (__mmask32)((1ull << tail) - 1);
     __m512 d[BF16_STREAMS][4][16];  /* [stream][x row][tile row] */
     for (int j = 0; j < 16; ++j) {
+        if (j >= last) {  /* past the weight's last row (S == 1) */
+            for (int m = 0; m < M; ++m) d[0][m][j] = _mm512_setzero_ps();
+            continue;
+        }
         const bf16 *wr[BF16_STREAMS];
         for (int s = 0; s < S; ++s) wr[s] = w + (int64_t)(n0[s] + j) * k_in;
         __m512 acc[BF16_STREAMS][4];
@@ -107,20 +74,20 @@ static inline __attribute__((always_inline)) void tiles_streams(
         for (int s = 0; s < S; ++s)
             for (int m = 0; m < M; ++m) d[s][m][j] = acc[s][m];
     }
+    const __mmask16 keep = (__mmask16)((1u << (last < 16 ? last : 16)) - 1);
     for (int s = 0; s < S; ++s) {
         const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0[s]))), 16))
+                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0[s])), 16))
                               : _mm512_setzero_ps();
         for (int m = 0; m < M; ++m)
-            _mm256_storeu_si256((__m256i *)(y + (int64_t)m * n_out + n0[s]),
-                                (__m256i)round_bf16((vf)_mm512_add_ps(sum16x16(d[s][m]), b)));
+            _mm256_mask_storeu_epi16(y + (int64_t)m * n_out + n0[s], keep,
+                                     (__m256i)round_bf16((vf)_mm512_add_ps(sum16x16(d[s][m]), b)));
     }
 }
 
-
 /* This thread's share of the tiles (contiguous, the team's threads in order), cut into
- * BF16_STREAMS equal parts read side by side; a part's last, partial tile (the weight's last) and
- * the tiles of unequal parts go one at a time. Ends with the team's barrier like an `omp for`. */
+ * BF16_STREAMS equal parts read side by side; the tiles of unequal parts and the weight's last,
+ * partial tile go one at a time. Ends with the team's barrier like an `omp for`. */
 static inline __attribute__((always_inline)) void share_bf16(
         const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int n_out, int k_in, const int M) {
     const int S = BF16_STREAMS, num_tiles = (n_out + 15) / 16;
@@ -137,9 +104,10 @@ static inline __attribute__((always_inline)) void share_bf16(
             }
         }
         if (valid == S && whole)
-            tiles_streams(x, w, bias, y, n_out, k_in, n0, S, M);
+            tiles(x, w, bias, y, n_out, k_in, n0, 16, S, M);
         else
-            for (int s = 0; s < valid; ++s) tile(x, w, bias, y, M, n_out, k_in, n0[s]);
+            for (int s = 0; s < valid; ++s)
+                tiles(x, w, bias, y, n_out, k_in, n0 + s, n_out - n0[s] < 16 ? n_out - n0[s] : 16, 1, M);
     }
 #pragma omp barrier
 }
