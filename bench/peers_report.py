@@ -279,14 +279,18 @@ _SECTION = re.compile(r"<!-- cpu-kind (\S+) -->.*?<!-- /cpu-kind \1 -->", re.S)
 
 def merge(existing: str, new_section: str) -> str:
     """The whole file: the header, every kind's section (this one replaced or added), then whatever
-    followed the kinds' sections as it was (the other benchmarks' sections, the footer), or the
-    footer in a new file."""
+    followed the kinds' sections as it was (the other benchmarks' sections, the footer); in a file
+    with no kind's section yet, the footer and then every section it had (write_section's)."""
     matches = list(_SECTION.finditer(existing))
     sections = {m.group(1): m.group(0) for m in matches}
     kind = _SECTION.match(new_section).group(1)
     sections[kind] = new_section
     order = [k for k in KIND_TITLES if k in sections] + sorted(k for k in sections if k not in KIND_TITLES)
-    rest = existing[matches[-1].end():].lstrip("\n") if matches else FOOTER
+    if matches:
+        rest = existing[matches[-1].end():].lstrip("\n")
+    else:
+        first = existing.find("## ")
+        rest = FOOTER + ("" if first < 0 else "\n" + existing[first:])
     return "\n\n".join([HEADER, *(sections[k] for k in order), rest])
 
 

@@ -305,11 +305,12 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
                  "linear_params": 100, "ceilings": {"float32": {"compute_tok_s": 700.0, "bandwidth_tok_s": 40.0},
                                                     "bfloat16": {"compute_tok_s": 90.0, "bandwidth_tok_s": 80.0}}}]
     zen4 = [_record("vbatch", "256", 0, 300.0)]
-    report.write_report(zen4, ceilings, spec | {"cpu_kind": "avx512-bf16"}, SimpleNamespace(repeats=1), ["p"], out)
-    # what other scripts and people write after the kinds' sections stays where it is
+    # another script's section written first (a new file), then the kinds' sections: it stays, after them
     report.write_section(out, "## Embeddings: a section of another script", "## Embeddings: a section of another "
                          "script\n\nits table\n")
+    report.write_report(zen4, ceilings, spec | {"cpu_kind": "avx512-bf16"}, SimpleNamespace(repeats=1), ["p"], out)
     first = out.read_text()
+    assert first.startswith("# Benchmarks: vbatch and its peers") and first.count("# Benchmarks") == 1
     assert first.index("## Measuring vbatch alone") < first.index("## Embeddings: a section")
     vb = _record("vbatch", "256", 0, 130.0, decode=250.0, lat_decode=60.0)
     vb["result"].update(dtype="float32", weight_dtype="float16", kv_cache_dtype="float16")
