@@ -26,6 +26,14 @@
 
 #define MAX_ROWS 8
 
+/* This thread's contiguous share [*begin, *end) of `count` units (tiles or rows), the team's threads
+ * in order: each thread then reads its part of the weight as a few streams (below). */
+static inline void team_share(int count, int *begin, int *end) {
+    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+    *begin = (int)((int64_t)count * me / threads);
+    *end = (int)((int64_t)count * (me + 1) / threads);
+}
+
 #if VB_ACT_BF16 && defined(__AVX512BF16__)
 
 /* S tiles of 16 output rows at once, starting at rows n0[0..S) that lie far apart, for M rows of
@@ -90,9 +98,9 @@ static inline __attribute__((always_inline)) void tiles(
  * partial tile go one at a time. Ends with the team's barrier like an `omp for`. */
 static inline __attribute__((always_inline)) void share_bf16(
         const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int n_out, int k_in, const int M) {
-    const int S = BF16_STREAMS, num_tiles = (n_out + 15) / 16;
-    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-    const int begin = (int)((int64_t)num_tiles * me / threads), end = (int)((int64_t)num_tiles * (me + 1) / threads);
+    const int S = BF16_STREAMS;
+    int begin, end;
+    team_share((n_out + 15) / 16, &begin, &end);
     const int part = (end - begin + S - 1) / S;
     for (int r = 0; r < part; ++r) {
         int n0[BF16_STREAMS], valid = 0, whole = 1;
@@ -248,8 +256,8 @@ static inline __attribute__((always_inline)) void rows_f32(
 static inline __attribute__((always_inline)) void share_f32(
         const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int M, const int FMT) {
     const int S = STREAMS(M);
-    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-    const int begin = (int)((int64_t)n_out * me / threads), end = (int)((int64_t)n_out * (me + 1) / threads);
+    int begin, end;
+    team_share(n_out, &begin, &end);
     const int part = (end - begin + S - 1) / S;
     for (int r = 0; r < part; ++r) {
         int n[8], valid = 0;
