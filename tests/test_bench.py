@@ -370,6 +370,26 @@ def test_small_rows_script_reads_the_model_weights(dtype, weights):
     assert f"5 matrices, {mb:.0f} MB: best " in done.stdout and " GB/s" in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize("dtype,kv_dtype", [("float32", "float16"), ("bfloat16", "bfloat16")])
+def test_decode_attention_script_times_the_kernel(dtype, kv_dtype):
+    # Every tier has fp32 queries over an fp16 cache; bf16 only where the tier computes in bf16.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vbatch.kernels import cpu_features, cpu_native
+    tier = cpu_features.selected_tier()
+    if dtype == "bfloat16" and (cpu_native.load(tier) is None or not tier.bf16_compute):
+        pytest.skip(f"the {tier.name} tier has no bf16 attention")
+    script = Path(__file__).resolve().parents[1] / "bench" / "decode_attention.py"
+    done = subprocess.run([sys.executable, str(script), "--batch", "4", "--positions", "300", "--layers", "2",
+                           "--threads", "1", "--calls", "3", "--repeats", "1", "--dtype", dtype,
+                           "--kv-dtype", kv_dtype], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "4 x 300 positions, 2 layer(s), blocks random, 1 thread(s): " in done.stdout, done.stdout
+    assert " GB/s, " in done.stdout and " ns per (position, kv head) and thread" in done.stdout, done.stdout
+
+
 def test_peers_report_ceilings_are_the_best_measurement():
     # Ceilings before and after the runs: the larger rate counts (interference only lowers one),
     # and a measurement without a bf16 GEMM rate is skipped, not a crash.

@@ -40,7 +40,11 @@ CASES = {**CASES,
          "prefill_block_32_on_prefix": ([40, 3], [20, 33], 32),
          "block_size_not_multiple_of_16": ([29, 3], [1, 20], 24),
          "many_decodes": ([int(x) for x in torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(1))],
-                          [1] * 40, 16)}
+                          [1] * 40, 16),
+         # decode rows over hundreds of positions and many blocks (the longest above: 90 positions)
+         "long_decodes": ([300, 530, 255, 256], [1, 1, 1, 1], 16),
+         "long_decodes_block_8": ([520, 3], [1, 2], 8),
+         "long_decodes_block_512": ([700, 1100], [1, 1], 512)}
 # (head_dim, query heads per kv head): the specialised copies (64/128 x 1-8), the generic one
 # (96, 12 > 8) and odd numbers of 16-lane vectors (48, 16; the bf16 AVX-512 build then uses fp32 q.k).
 SHAPES = [(64, 3), (64, 7), (128, 2), (32, 1), (96, 12), (48, 3), (16, 2)]
