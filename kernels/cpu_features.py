@@ -91,6 +91,12 @@ class CpuFeatures:
         return self.vendor == "AuthenticAMD"
 
     @property
+    def stream_prefetch_bytes(self) -> int:
+        """How far ahead the fp32-arithmetic small-rows kernel prefetches each weight stream (0: not
+        at all; kernels/csrc/cpu_linear_small.c rows_f32): measured to help on Intel, not on AMD."""
+        return 1024 if self.vendor == "GenuineIntel" else 0
+
+    @property
     def tiers(self) -> tuple[CpuTier, ...]:
         """The tiers this CPU runs, fastest first (portable always)."""
         return tuple(tier for tier in TIERS if tier.runs_on(self))

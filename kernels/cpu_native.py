@@ -36,7 +36,7 @@ import torch
 
 from . import q8_0
 from .attention_metadata import AttentionMetadata
-from .cpu_features import CpuTier, selected_tier
+from .cpu_features import CpuFeatures, CpuTier, detect, selected_tier
 
 logger = logging.getLogger("vbatch.kernels")
 
@@ -102,8 +102,10 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("VBATCH_CACHE", Path.home() / ".cache" / "vbatch")) / "kernels"
 
 
-def build_flags(tier: CpuTier) -> tuple[str, ...]:
-    return (*FLAGS, *tier.compile_flags)
+def build_flags(tier: CpuTier, cpu: CpuFeatures | None = None) -> tuple[str, ...]:
+    """The compiler flags of `tier`'s build on `cpu` (default: this machine's)."""
+    prefetch = (cpu or detect()).stream_prefetch_bytes
+    return (*FLAGS, *tier.compile_flags, *((f"-DVB_F32_PREFETCH={prefetch}",) if prefetch else ()))
 
 
 def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:

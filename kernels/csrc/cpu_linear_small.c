@@ -216,7 +216,15 @@ static inline __attribute__((always_inline)) void rows_q8(
  * earlier kernel), 22.5 with four streams; over the model's 120 decoder matrices in turn 16 ->
  * 19.9 (four streams, two chains) -> 20.5 (eight streams, one chain). From L2 it runs at 60 GB/s,
  * so memory, not the arithmetic, bounds it. Software prefetch 256-2048 bytes ahead in each
- * stream: no gain (15.5-20.5 GB/s, the longer distances slower). */
+ * stream: no gain (15.5-20.5 GB/s, the longer distances slower).
+ * NOTE: on Intel the same prefetch helps: on the Xeon of docs/performance.md (`python
+ * bench/small_rows.py --dtype float32 --weights float16 --rows 1`, 2 threads, alternating) 1 KB
+ * ahead took the avx2 tier from 21.5 to 24.2 GB/s (medians of 4 rounds) and the AVX-512 tier from
+ * 21.7 to 25.6 (3 rounds); 2-3 KB gained less. So the build defines VB_F32_PREFETCH (the bytes
+ * ahead) on Intel CPUs only (cpu_features.CpuFeatures.stream_prefetch_bytes). */
+#ifndef VB_F32_PREFETCH
+#define VB_F32_PREFETCH 0
+#endif
 static inline __attribute__((always_inline)) void rows_f32(
         const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int *n,
         const int S, const int M, const int FMT) {
@@ -233,6 +241,8 @@ static inline __attribute__((always_inline)) void rows_f32(
     for (int k = 0; k + VL <= k_in; k += VL) {
         vf xv[4];
         for (int m = 0; m < M; ++m) xv[m] = load_f32(x + (int64_t)m * k_in + k);
+        if (VB_F32_PREFETCH && (k * esize) % 64 == 0)  /* a line of each stream, VB_F32_PREFETCH bytes ahead */
+            for (int s = 0; s < S; ++s) __builtin_prefetch(row[s] + (int64_t)k * esize + VB_F32_PREFETCH);
         for (int s = 0; s < S; ++s) {
             const vf wv = load_w(row[s], k, FMT);
             for (int m = 0; m < M; ++m) acc[s][m] += xv[m] * wv;
