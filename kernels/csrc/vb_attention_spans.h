@@ -12,6 +12,12 @@
 #define SPAN 32
 /* Query heads whose scores are computed together: 4 positions x 3 heads = 12 accumulators. */
 #define SCORE_HEADS 3
+/* Positions ahead whose cache rows are prefetched (into L2, PREFETCH_HINT) while a span is used: the
+ * next span's, line by line beside the loads of this one (a request's blocks sit anywhere in the
+ * cache, so the hardware prefetcher cannot follow). */
+#ifndef SPAN_PREFETCH
+#define SPAN_PREFETCH SPAN
+#endif
 
 /* Where position `pos` of the item's request sits in a cache (kv head h). */
 static inline const kv_t *cache_row(const kv_t *cache, const ItemView *iv, int block_size, int block_shift,
@@ -21,17 +27,28 @@ static inline const kv_t *cache_row(const kv_t *cache, const ItemView *iv, int b
     return cache + (int64_t)iv->table[block] * iv->block_stride + (int64_t)offset * iv->row_stride + (int64_t)h * D;
 }
 
+/* Prefetch the D elements of kv head h at position `pos` of a cache, if pos < len. */
+static inline void prefetch_row(const kv_t *cache, const ItemView *iv, int block_size, int block_shift, int pos,
+                                int len, int h, int D) {
+    if (SPAN_PREFETCH <= 0 || pos >= len) return;
+    const char *row = (const char *)cache_row(cache, iv, block_size, block_shift, pos, h, D);
+    for (int b = 0; b < D * (int)sizeof(kv_t); b += 64) __builtin_prefetch(row + b, 0, PREFETCH_HINT);
+}
+
 /* scores[g][o] (g < GG, o < n) = scale q_g . k_o for the span's n positions: four positions and GG query
  * heads at a time, each key vector loaded once for all of them (q read from L1), the 4 x GG dot
  * products independent FMA chains, summed by transposing trees. */
 static inline __attribute__((always_inline)) void span_scores(
         const Problem *p, const ItemView *iv, const act_t *q /* [GG, D] */, int s0, int n, int h, int block_shift,
+        int prefetch_len /* prefetch keys SPAN_PREFETCH ahead below this position; 0: none */,
         float *scores /* [GG, SPAN] */, const int NV, const int GG) {
     const int D = NV * VL;
     for (int o0 = 0; o0 < n; o0 += 4) {
         const kv_t *krow[4];
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < 4; ++j) {
             krow[j] = cache_row(p->key_cache, iv, p->block_size, block_shift, s0 + (o0 + j < n ? o0 + j : o0), h, D);
+            prefetch_row(p->key_cache, iv, p->block_size, block_shift, s0 + o0 + j + SPAN_PREFETCH, prefetch_len, h, D);
+        }
         vf dot[SCORE_HEADS][4];
         for (int g = 0; g < GG; ++g)
             for (int j = 0; j < 4; ++j) dot[g][j] = splat(0.0f);
@@ -81,9 +98,10 @@ static inline __attribute__((always_inline)) void attend_row_spans(
             for (int g0 = 0; g0 < G; g0 += SCORE_HEADS) {
                 const int gg = G - g0 < SCORE_HEADS ? G - g0 : SCORE_HEADS;
                 float *out = sc->scores + g0 * SPAN;
-                if (gg == 3) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, out, NV, 3);
-                else if (gg == 2) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, out, NV, 2);
-                else span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, out, NV, 1);
+                const int ahead = g0 == 0 ? len : 0;  /* the first group's pass prefetches */
+                if (gg == 3) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, ahead, out, NV, 3);
+                else if (gg == 2) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, ahead, out, NV, 2);
+                else span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, ahead, out, NV, 1);
             }
             for (int g = 0; g < G; ++g) {
                 float *sg = sc->scores + g * SPAN;
@@ -107,6 +125,8 @@ static inline __attribute__((always_inline)) void attend_row_spans(
                 for (int c = 0; c < NV; ++c) a[c] = load_f32(acc + g * D + VL * c) * alpha;
                 for (int o = 0; o < n; ++o) {
                     const kv_t *vrow = cache_row(p->value_cache, iv, p->block_size, block_shift, s0 + o, h, D);
+                    if (g == 0)
+                        prefetch_row(p->value_cache, iv, p->block_size, block_shift, s0 + o + SPAN_PREFETCH, len, h, D);
                     const float w = sg[o];
 #pragma GCC unroll 16
                     for (int c = 0; c < NV; ++c) a[c] += w * load_kv(vrow + VL * c);
