@@ -71,6 +71,10 @@ class Ops:
     # residual, kv_cache, attn, rope) -> (hidden, residual)` runs a whole decoder layer (the model calls
     # it in place of `layer(...)`; it may just call the layer). None: the layers run their forward.
     decoder_layer: Callable[..., Any] | None = None
+    # Optional, CPU: a gated MLP over more rows than this runs `mlp_chunk_rows` rows at a time (gate/up,
+    # SiLU-and-mul and down per chunk), so its [rows, 2 x intermediate] product stays in cache
+    # (kernels/cpu_linear.py MLP_CHUNK_ROWS). None: all rows at once.
+    mlp_chunk_rows: int | None = None
     # What the ops are built on, for the engine to ask (never `name`):
     native: Any = None                  # the NativeKernels they call (CPU); the sampler reads the model's logits with it
     cpu_tier: Any = None                # the cpu_features.CpuTier they were chosen for (CPU)
@@ -134,7 +138,8 @@ def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtyp
             ops, pack_linear=functools.partial(cpu_linear.pack_linear, native=native, weight_dtype=weight_dtype,
                                                quantization=quantization),
             pack_gate_up=functools.partial(cpu_linear.pack_gate_up, native=native, weight_dtype=weight_dtype,
-                                           quantization=quantization))
+                                           quantization=quantization),
+            mlp_chunk_rows=cpu_linear.MLP_CHUNK_ROWS)
     if native is not None:
         ops = NativeOps(native).bind(dataclasses.replace(ops, name=f"{ops.name}-native"))
     return ops

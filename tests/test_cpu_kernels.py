@@ -166,6 +166,39 @@ def test_packed_linear_keeps_leading_dims_and_fp16_stays_plain(dtype):
     assert cpu_linear.pack_linear(plain) is plain
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
+def test_mlp_in_row_chunks_matches_the_whole_step(dtype):
+    """A large step's gated MLP runs Ops.mlp_chunk_rows rows at a time (each chunk's intermediate
+    stays in cache); every row gets what the MLP gives it over all rows at once. fp32: bit for bit
+    (oneDNN sums each row the same way at these sizes); bf16: within one bf16 rounding, as its
+    AMX/AVX-512 kernels change blocking with the row count."""
+    import dataclasses
+    import types
+
+    from vbatch.engine.models.llama import LlamaMLP
+    ops = get_ops("cpu", dtype)
+    assert ops.mlp_chunk_rows == cpu_linear.MLP_CHUNK_ROWS
+    shape = types.SimpleNamespace(hidden_size=96, intermediate_size=160, mlp_bias=False)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(shape, dataclasses.replace(ops, mlp_chunk_rows=None)).to(dtype)
+    mlp.gate_up = (ops.pack_gate_up or ops.pack_linear)(mlp.gate_up)
+    mlp.down_proj = ops.pack_linear(mlp.down_proj)
+    x = torch.randn(333, 96).to(dtype)
+    with torch.no_grad():
+        whole = mlp(x)
+        for chunk in (64, 100, 333, 1000):  # whole chunks, a ragged last one, one chunk, more than the rows
+            mlp.ops = dataclasses.replace(ops, mlp_chunk_rows=chunk)
+            got = mlp(x)
+            assert got.shape == whole.shape and got.dtype == dtype
+            if dtype == torch.float32:
+                assert torch.equal(got, whole), chunk
+            else:
+                assert ((got.float() - whole.float()).abs() <= whole.float().abs() * 2 ** -7 + 1e-6).all(), chunk
+        rows = [mlp(x[i:i + 1]) for i in (0, 64, 332)]  # and against single rows (the small-rows kernel)
+    for got, i in zip(rows, (0, 64, 332)):
+        assert (got.float() - whole[i:i + 1].float()).abs().max() <= whole.float().abs().max() * 2 ** -6
+
+
 def test_get_ops_binds_the_cpu_paths_for_fp32_and_bf16():
     from vbatch.kernels import cpu_features, cpu_native
     assert get_ops("cpu") is REFERENCE_OPS

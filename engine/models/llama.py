@@ -105,7 +105,16 @@ class LlamaMLP(nn.Module):
         self.gate_up = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        chunk = self.ops.mlp_chunk_rows
+        if chunk is None or hidden.shape[0] <= chunk:
+            return self._rows(hidden)
+        out = hidden.new_empty(hidden.shape)
+        for r0 in range(0, hidden.shape[0], chunk):  # each chunk's intermediate stays in cache
+            out[r0:r0 + chunk] = self._rows(hidden[r0:r0 + chunk])
+        return out
+
+    def _rows(self, hidden: torch.Tensor) -> torch.Tensor:
         fused = getattr(self.gate_up, "silu_and_mul", None)  # Ops.pack_gate_up's module: one fused call
         if fused is not None:
             return self.down_proj(fused(hidden))
