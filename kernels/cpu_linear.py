@@ -67,7 +67,8 @@ NOTE: measured on the Intel Xeon with AMX (2 threads, SmolLM2's 30 MLPs over 8,1
 2,180 / 1,949 / 1,564 at 4,096 / 3,072 / 2,048 / 1,536 / 1,024-row chunks; fp32 with fp16 weights,
 torch's libraries held to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2, the avx2 tier): 197-198 whole, 199 / 204 / 215-220 / 218 / 219-221
-/ 225 at 4,096 / 3,072 / 2,048 / 1,536 / 1,024 / 512."""
+/ 225 at 4,096 / 3,072 / 2,048 / 1,536 / 1,024 / 512. Encoders get the same from the pooling runner,
+which runs a step's sequences in sub-batches of 2,048 tokens (engine/pooling_runner.py)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,8 +71,8 @@ class Ops:
     # residual, kv_cache, attn, rope) -> (hidden, residual)` runs a whole decoder layer (the model calls
     # it in place of `layer(...)`; it may just call the layer). None: the layers run their forward.
     decoder_layer: Callable[..., Any] | None = None
-    # Optional, CPU: a gated MLP over more rows than this runs `mlp_chunk_rows` rows at a time (gate/up,
-    # SiLU-and-mul and down per chunk), so its [rows, 2 x intermediate] product stays in cache
+    # Optional, CPU: a decoder's MLP over more rows than this runs `mlp_chunk_rows` rows at a time
+    # (engine/models/row_chunks.py), so its [rows, intermediate] product stays in cache
     # (kernels/cpu_linear.py MLP_CHUNK_ROWS). None: all rows at once.
     mlp_chunk_rows: int | None = None
     # What the ops are built on, for the engine to ask (never `name`):

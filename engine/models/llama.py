@@ -25,6 +25,7 @@ from ...kernels.ops import Ops, build_rope_cache, get_ops
 from ...kernels.rotary_ref import SUPPORTED_ROPE_TYPES, rope_type_of
 from ..errors import ModelLoadError, UnsupportedModelError
 from .output_rows import OutputRows
+from .row_chunks import in_row_chunks
 from .weights import fill_slots
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, Hk, D]
@@ -106,13 +107,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        chunk = self.ops.mlp_chunk_rows
-        if chunk is None or hidden.shape[0] <= chunk:
-            return self._rows(hidden)
-        out = hidden.new_empty(hidden.shape)
-        for r0 in range(0, hidden.shape[0], chunk):  # each chunk's intermediate stays in cache
-            out[r0:r0 + chunk] = self._rows(hidden[r0:r0 + chunk])
-        return out
+        return in_row_chunks(self._rows, hidden, self.ops.mlp_chunk_rows)
 
     def _rows(self, hidden: torch.Tensor) -> torch.Tensor:
         fused = getattr(self.gate_up, "silu_and_mul", None)  # Ops.pack_gate_up's module: one fused call
