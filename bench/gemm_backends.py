@@ -6,7 +6,8 @@ For each dtype and row count, every library kernels/cpu_linear.py can run (oneDN
 through torch's F.linear, zentorch prepacked where its wheel loads) multiplies the same activations
 by the four linear weights of a SmolLM2 layer ([960, 576] qkv, [576, 576] o_proj, [3072, 576]
 gate/up, [576, 1536] down), passes alternating between the libraries, and prints GFLOP/s (the best
-of the passes: interference only slows a pass down) and each library's ratio to the fastest. The
+of the passes: interference only slows a pass down), each library's ratio to the fastest and, for
+fp32, its share of the cores' multiply-add peak (cli/bench_ceilings.measure_fma_peak_gflops). The
 engine picks one per dtype (`cpu_linear.gemm_backend`, printed by `vbatch bench`; VBATCH_GEMM
 overrides it): docs/performance.md records what this script measured on each CPU kind.
 Run it in its own high-priority session on a shared machine (REFERENCE 8):
@@ -35,6 +36,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cpu = cpu_features.detect()
     print(f"{cpu.model_name}; {cpu.deciding_flags}; {args.threads} threads; torch {torch.__version__}")
+    from vbatch.cli.bench_ceilings import measure_fma_peak_gflops
+    peak = measure_fma_peak_gflops(args.threads)  # fp32 GEMMs are held to it
+    if peak is not None:
+        print(f"fp32 multiply-add peak (registers only, the native {cpu_features.selected_tier().name} tier's "
+              f"vectors): {peak:.0f} GFLOP/s")
     backends = [b for b in (cpu_linear.backend_named(n) for n in ("onednn", "mkl", "zentorch")) if b is not None]
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -60,7 +66,10 @@ def main() -> None:
                             b.linear(xs[w.shape[1]], p, None, "none")
                         best[b.name] = min(best[b.name], time.perf_counter() - t)
             top = min(best.values())
-            cells = ", ".join(f"{name} {flops / t / 1e9:.0f} GFLOP/s ({top / t:.2f})" for name, t in best.items())
+            share = (lambda t: f", {flops / t / 1e9 / peak:.0%} of peak") if peak and dtype == torch.float32 else (
+                lambda t: "")
+            cells = ", ".join(f"{name} {flops / t / 1e9:.0f} GFLOP/s ({top / t:.2f}{share(t)})"
+                              for name, t in best.items())
             print(f"{dtype_name} {rows:5d} rows: {cells}; vbatch uses {chosen}")
 
 

@@ -140,6 +140,20 @@ def measure_gemm_gflops(dtype_name: str, shape: tuple[int, int, int] = DECODE_SH
     return 2.0 * m * k * n / seconds / 1e9
 
 
+def measure_fma_peak_gflops(threads: int, repeats: int = 5) -> float | None:
+    """fp32 multiply-adds per second on `threads` threads, registers only (kernels/csrc/cpu_fma_probe.c:
+    independent chains on the native tier's vectors): the most any fp32 GEMM can reach here. None
+    where the native kernels do not load."""
+    from ..kernels import cpu_native
+
+    native = cpu_native.load()
+    if native is None:
+        return None
+    iters = 2_000_000
+    seconds = _best_seconds(lambda: native.fma_probe(iters, 0.5, 0.25, threads), repeats)
+    return 2.0 * native.fma_width * iters * threads / seconds / 1e9
+
+
 def measure_bandwidth_gb_s(num_bytes: int = 512 * 2**20, repeats: int = 5) -> tuple[float, float]:
     """(read GB/s, copy GB/s) over an fp32 tensor of `num_bytes` (far larger than any cache).
 

@@ -43,7 +43,7 @@ logger = logging.getLogger("vbatch.kernels")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
            CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c", CSRC / "cpu_encoder_attention.c",
-           CSRC / "cpu_read_probe.c")
+           CSRC / "cpu_read_probe.c", CSRC / "cpu_fma_probe.c")
 HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h", CSRC / "vb_attention.h",
            CSRC / "vb_attention_tiled.h", CSRC / "vb_attention_spans.h")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",
@@ -242,6 +242,22 @@ class NativeKernels:
         return self._fn("vb_read_probe", torch.float32)(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
                                                          streams, num_threads)
 
+    def fma_probe(self, iters: int, x: float, y: float, num_threads: int) -> float:
+        """Run independent chains of a = a * x + y (a from 1, every lane of this tier's vectors) for
+        `iters` steps in each of `num_threads` threads (cpu_fma_probe.c): for timing the cores'
+        multiply-add peak, 2 x fma_width FLOPs per step and thread. Returns the sum of the final values."""
+        return self._fn("vb_fma_probe", torch.float32)(iters, x, y, num_threads)
+
+    @property
+    def fma_width(self) -> int:
+        """Multiply-adds per step and thread of fma_probe (this tier's fp32 lanes x its chains)."""
+        return int(self._fn("vb_fma_width", torch.float32)())
+
+    @property
+    def vector_lanes(self) -> int:
+        """fp32 lanes of this tier's vectors (16 AVX-512, 8 AVX2, 4 portable on SSE2/NEON)."""
+        return int(self._fn("vb_vector_lanes", torch.float32)())
+
     def has_small_linear(self, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> bool:
         """Whether this build has the small-rows linear kernel for `dtype` rows and `weight_dtype`
         weights (default: the rows' dtype; int8: Q8_0 rows); bf16 rows need avx512_bf16, Q8_0 fp32 rows."""
@@ -327,6 +343,9 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_sample": ([p, i64, i32, i32, p, p, p, i32], ctypes.c_int),
         "vb_encoder_attention": ([p, p, p, i64, p, p, p, i32, i32, i32, i32, f32, i32], ctypes.c_int),
         "vb_read_probe": ([p, i64, i32, i32], ctypes.c_uint64),
+        "vb_fma_probe": ([i64, f32, f32, i32], ctypes.c_float),
+        "vb_fma_width": ([], ctypes.c_int),
+        "vb_vector_lanes": ([], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         for suffix, _ in VARIANTS.values():

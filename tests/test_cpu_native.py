@@ -306,6 +306,23 @@ def test_read_probe_reads_every_word_once(native, threads):
             assert native.read_probe(words, streams, threads) == exact, (count, streams)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fma_probe_runs_every_chain_and_lane(native, threads):
+    # The multiply-add peak's probe (cpu_fma_probe.c): chain c runs a = a * x + y from 1 + c / 16 in
+    # every lane of every thread. With x = 1/2 and y = 1/4 each step is exact in fp32 (halving, then
+    # one rounding of a sum of dyadics), so the returned total is known exactly: it ran each chain
+    # `iters` times, and all of them.
+    lanes = native.vector_lanes
+    chains = native.fma_width // lanes
+    assert lanes in (4, 8, 16) and chains >= 8
+    for iters in (0, 1, 3, 40, 1000):
+        a = 1 + torch.arange(chains, dtype=torch.float32) / 16
+        for _ in range(iters):
+            a = a * 0.5 + 0.25                     # fp32: the product exact, the sum rounded once
+        expected = threads * lanes * float(a.double().sum())
+        assert native.fma_probe(iters, 0.5, 0.25, threads) == pytest.approx(expected, rel=1e-6), iters
+
+
 def test_small_linear_refuses_more_than_eight_rows(native, dtype):
     x, weight = torch.zeros(9, 64, dtype=dtype), torch.zeros(16, 64, dtype=dtype)
     assert native.linear_small(x, weight, None, 1) is None
