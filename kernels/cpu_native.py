@@ -243,9 +243,10 @@ class NativeKernels:
                                                          streams, num_threads)
 
     def fma_probe(self, iters: int, x: float, y: float, num_threads: int) -> float:
-        """Run independent chains of a = a * x + y (a from 1, every lane of this tier's vectors) for
-        `iters` steps in each of `num_threads` threads (cpu_fma_probe.c): for timing the cores'
-        multiply-add peak, 2 x fma_width FLOPs per step and thread. Returns the sum of the final values."""
+        """Run independent chains of a = a * x + y (chain c from 1 + c / 16, in every lane of this tier's
+        vectors) for `iters` steps in each of `num_threads` threads (cpu_fma_probe.c): for timing the
+        cores' multiply-add peak, 2 x fma_width FLOPs per step and thread. Returns the sum of the final
+        values."""
         return self._fn("vb_fma_probe", torch.float32)(iters, x, y, num_threads)
 
     @property
