@@ -34,6 +34,9 @@ sys.path.insert(0, str(HERE))  # peers_report.py beside this script
 
 from peers_report import write_report  # noqa: E402
 
+# The variables that hold torch, oneDNN and MKL to a narrower instruction set (with VBATCH_CPU_TIER,
+# an AVX-512 machine stands in for an Intel CPU without it): reported with the run when set.
+ISA_HOLD_VARIABLES = ("VBATCH_CPU_TIER", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 VLLM_VERSION = "0.32.0"
 VLLM_VENV = Path.home() / ".cache" / "vbatch" / "bench" / "vllm-venv"
 # Run in a new session (Popen start_new_session: its own autogroup), raised to nice -19: plain `nice`
@@ -104,7 +107,9 @@ def build_spec(args, workdir: Path) -> dict:
             gguf = None
     from vbatch.kernels.cpu_features import detect, machine_kind, selected_tier
     cpu = detect()
+    held = [f"{name}={os.environ[name]}" for name in ISA_HOLD_VARIABLES if os.environ.get(name)]
     return {"cpu_kind": machine_kind(), "cpu_tier": selected_tier().name, "cpu_flags": cpu.deciding_flags,
+            "isa_hold": " ".join(held),
             "cpu_model": cpu.model_name,
             "model": args.model, "model_dir": str(folder), "gguf": gguf, "prompts": prompts,
             "latency_prompt": latency_prompt, "input_len": str(lengths), "output_len": args.output_len,

@@ -37,6 +37,15 @@ KIND_TITLES = {"avx512-bf16": "AVX-512 with avx512_bf16", "avx512-bf16-amx": "AV
                "avx2": "AVX2 + FMA + F16C, no AVX-512", "portable": "no AVX2 (portable kernels)"}
 
 
+def kind_title(kind: str) -> str:
+    """The heading of a kind's section: "AVX2 + FMA + F16C, no AVX-512"; for a tier forced below the
+    CPU's best (cpu_features.machine_kind "<tier>-on-<kind>"), that tier's title on the other kind."""
+    tier, _, host = kind.partition("-on-")
+    if host:
+        return f"{KIND_TITLES.get(tier, tier)} kernels, forced on a CPU of kind {KIND_TITLES.get(host, host)}"
+    return KIND_TITLES.get(kind, kind)
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -216,13 +225,12 @@ def section(records: list[dict], ceilings: list[dict], spec: dict, args, argv: l
         "batch-1 case repeats one prompt). llama.cpp (llama-cpp-python, when installed): the catalogue's GGUF "
         "as shipped, one sequence at a time through its high-level API, and N sequences batched through its "
         "C API (`llama_decode` over every running sequence, as its `parallel` example and server do).")
-    title = KIND_TITLES.get(kind, kind)
     return "\n".join([
         f"<!-- cpu-kind {kind} -->",
-        f"## {title}: {facts['cpu']} (tier `{spec.get('cpu_tier', kind)}`)",
+        f"## {kind_title(kind)}: {facts['cpu']} (tier `{spec.get('cpu_tier', kind)}`)",
         "",
         f"CPU flags that chose the path: {spec.get('cpu_flags', facts['isa'])}.",
-        "",
+        *([f"Instruction sets held for every system: {spec['isa_hold']}.", ""] if spec.get("isa_hold") else [""]),
         f"**Workload**: {spec['model']}, {len(spec['prompts'])} prompts of {spec['input_len']} tokens "
         f"(digest `{spec['digest']}`), {spec['output_len']} output tokens each; batch-1 case: one prompt of "
         f"{len(spec['latency_prompt'])} tokens, {spec['output_len']} output tokens, {spec['latency_iters']} timed "

@@ -152,9 +152,13 @@ def tier_named(name: str, features: CpuFeatures | None = None) -> CpuTier:
 def machine_kind(tier: CpuTier | None = None, cpu: CpuFeatures | None = None) -> str:
     """The kind of machine a benchmark is filed under (docs/benchmarks.md): the tier's name, with
     "-amx" where bf16 GEMMs run on AMX tiles (oneDNN's, kernels/cpu_linear.py: 2-4x the avx512_bf16
-    rate on an Intel Xeon), a different machine for every large-batch figure."""
+    rate on an Intel Xeon), a different machine for every large-batch figure. A tier below the
+    CPU's best (VBATCH_CPU_TIER) is filed as "<tier>-on-<the CPU's own kind>": its figures come from
+    a faster machine and must not replace those of a CPU whose best tier it is."""
     tier, cpu = tier or selected_tier(), cpu or detect()
-    return tier.name + ("-amx" if tier.bf16_compute and cpu.has("amx_bf16") else "")
+    own = tier.name + ("-amx" if tier.bf16_compute and cpu.has("amx_bf16") else "")
+    best = cpu.tiers[0]
+    return own if tier == best or not tier.runs_on(cpu) else f"{own}-on-{machine_kind(best, cpu)}"
 
 
 def selected_tier() -> CpuTier:

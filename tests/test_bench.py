@@ -340,6 +340,17 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     assert zen4_section in final and text in final and amx in final
     assert final.index(zen4_section) < final.index(amx) < final.index(text) < final.index("## Measuring vbatch")
     assert final.endswith("## Embeddings: a section of another script\n\nits table\n")
+    # The avx2 tier forced on that AMX machine (its libraries held to AVX2) is a fourth kind: it must
+    # not replace the AVX2 machine's section; it gets the AVX2 targets and says what was held.
+    held = report.write_report(records, ceilings, spec | {
+        "cpu_kind": "avx2-on-avx512-bf16-amx", "cpu_tier": "avx2",
+        "isa_hold": "VBATCH_CPU_TIER=avx2 ATEN_CPU_CAPABILITY=avx2"}, SimpleNamespace(repeats=1), ["p"], out)
+    assert held.startswith("<!-- cpu-kind avx2-on-avx512-bf16-amx -->\n## AVX2 + FMA + F16C, no AVX-512 kernels, "
+                           "forced on a CPU of kind AVX-512 with avx512_bf16 and AMX: ")
+    assert "Instruction sets held for every system: VBATCH_CPU_TIER=avx2 ATEN_CPU_CAPABILITY=avx2." in held
+    assert "(its best batch and dtype): **3.25x** (target ≥ 3.0x: met)" in held
+    last = out.read_text()
+    assert text in last and amx in last and zen4_section in last and held in last
 
 
 def test_gemm_backends_script_compares_the_libraries_the_engine_can_use():

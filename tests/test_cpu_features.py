@@ -37,8 +37,11 @@ def test_tiers_follow_the_flags(flags, want):
 def test_machine_kind_names_amx_where_bf16_gemms_use_it():
     assert cpu_features.machine_kind(AVX512_BF16, _features(INTEL_AMX)) == "avx512-bf16-amx"
     assert cpu_features.machine_kind(AVX512_BF16, _features(ZEN4)) == "avx512-bf16"
-    assert cpu_features.machine_kind(AVX2, _features(INTEL_AMX)) == "avx2"      # a forced lower tier: no bf16 GEMMs
     assert cpu_features.machine_kind(AVX2, _features(ZEN3)) == "avx2"
+    # A forced lower tier is filed apart from the CPUs whose best tier it is (no bf16 GEMMs in it).
+    assert cpu_features.machine_kind(AVX2, _features(INTEL_AMX)) == "avx2-on-avx512-bf16-amx"
+    assert cpu_features.machine_kind(AVX2, _features(ZEN4)) == "avx2-on-avx512-bf16"
+    assert cpu_features.machine_kind(PORTABLE, _features(ZEN3)) == "portable-on-avx2"
 
 
 def test_arm_runs_the_portable_tier():
