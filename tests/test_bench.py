@@ -363,8 +363,10 @@ def test_gemm_backends_script_compares_the_libraries_the_engine_can_use():
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(l for l in done.stdout.splitlines() if l.startswith("float32     4 rows"))
     assert "onednn" in line and "mkl" in line and "vbatch uses onednn" in line and "(1.00" in line
-    peak = next(l for l in done.stdout.splitlines() if l.startswith("fp32 multiply-add peak"))
-    assert float(peak.split(": ")[1].split()[0]) > 0 and "of peak" in line
+    from vbatch.kernels import cpu_native
+    if cpu_native.load() is not None:  # the peak probe is a native kernel
+        peak = next(l for l in done.stdout.splitlines() if l.startswith("fp32 multiply-add peak"))
+        assert float(peak.split(": ")[1].split()[0]) > 0 and "of peak" in line
 
 
 @pytest.mark.parametrize("dtype,weights", [("float32", "float16"), ("float32", "q8_0")])

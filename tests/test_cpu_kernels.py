@@ -169,9 +169,10 @@ def test_packed_linear_keeps_leading_dims_and_fp16_stays_plain(dtype):
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
 def test_mlp_in_row_chunks_matches_the_whole_step(dtype):
     """A large step's gated MLP runs Ops.mlp_chunk_rows rows at a time (each chunk's intermediate
-    stays in cache); every row gets what the MLP gives it over all rows at once. fp32: bit for bit
-    (oneDNN sums each row the same way at these sizes); bf16: within one bf16 rounding, as its
-    AMX/AVX-512 kernels change blocking with the row count."""
+    stays in cache); every row gets what the MLP gives it over all rows at once. fp32: to fp32
+    rounding (bit for bit on the Intel Xeon, AVX-512 and AVX2 kernels alike; another oneDNN build may
+    block the sums differently for a 13-row chunk); bf16: within a bf16 rounding of the output's
+    scale, as its AMX/AVX-512 kernels change blocking with the row count."""
     import dataclasses
     import types
 
@@ -190,10 +191,8 @@ def test_mlp_in_row_chunks_matches_the_whole_step(dtype):
             mlp.ops = dataclasses.replace(ops, mlp_chunk_rows=chunk)
             got = mlp(x)
             assert got.shape == whole.shape and got.dtype == dtype
-            if dtype == torch.float32:
-                assert torch.equal(got, whole), chunk
-            else:
-                assert ((got.float() - whole.float()).abs() <= whole.float().abs() * 2 ** -7 + 1e-6).all(), chunk
+            tol = 2 ** -20 if dtype == torch.float32 else 2 ** -7   # a wrong chunk is off by O(1)
+            assert (got.float() - whole.float()).abs().max() <= whole.float().abs().max() * tol, chunk
         rows = [mlp(x[i:i + 1]) for i in (0, 64, 332)]  # and against single rows (the small-rows kernel)
     for got, i in zip(rows, (0, 64, 332)):
         assert (got.float() - whole[i:i + 1].float()).abs().max() <= whole.float().abs().max() * 2 ** -6

@@ -14,10 +14,10 @@
 #define SCORE_HEADS 3
 /* Positions ahead whose cache rows are prefetched (into L2, PREFETCH_HINT) while a span is used: the
  * next span's, line by line beside the loads of this one (a request's blocks sit anywhere in the
- * cache, so the hardware prefetcher cannot follow). */
-#ifndef SPAN_PREFETCH
+ * cache, so the hardware prefetcher cannot follow). Measured on the Intel Xeon, avx2 tier, 64 x 384
+ * positions from memory: 56-58 ns per (position, kv head) without, 34-35 at 32 ahead, 37-38 at 16,
+ * 37-39 at 64, 40-42 at 128 (docs/performance.md, session 12). */
 #define SPAN_PREFETCH SPAN
-#endif
 
 /* Where position `pos` of the item's request sits in a cache (kv head h). */
 static inline const kv_t *cache_row(const kv_t *cache, const ItemView *iv, int block_size, int block_shift,
@@ -30,7 +30,7 @@ static inline const kv_t *cache_row(const kv_t *cache, const ItemView *iv, int b
 /* Prefetch the D elements of kv head h at position `pos` of a cache, if pos < len. */
 static inline void prefetch_row(const kv_t *cache, const ItemView *iv, int block_size, int block_shift, int pos,
                                 int len, int h, int D) {
-    if (SPAN_PREFETCH <= 0 || pos >= len) return;
+    if (pos >= len) return;
     const char *row = (const char *)cache_row(cache, iv, block_size, block_shift, pos, h, D);
     for (int b = 0; b < D * (int)sizeof(kv_t); b += 64) __builtin_prefetch(row + b, 0, PREFETCH_HINT);
 }
