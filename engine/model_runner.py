@@ -18,7 +18,7 @@ import torch
 
 from ..kernels.ops import Ops, get_ops
 from ..kernels.q8_0 import QuantizationError
-from .compile_times import CompileTimes
+from .compile_times import CompileTimes, native_load
 from .config import EngineConfig
 from .cuda_graphs import capture_decode_graphs
 from .device import resolve_kv_cache_dtype, resolve_weight_dtype
@@ -77,6 +77,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.load_seconds = 0.0
+        self.load_started = 0.0  # perf_counter() when load_model began
         self.cuda_graphs = None  # engine/cuda_graphs.DecodeGraphs once the KV cache exists (CUDA + Triton)
         self.warmup_seconds = 0.0
         if device.type == "cpu":
@@ -84,7 +85,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ start-up
     def load_model(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.load_started = time.perf_counter()
         cls = get_model_class(self.hf_config)
         quantization = self.config.model.quantization
         try:
@@ -216,10 +217,8 @@ class ModelRunner:
 
     def compile_times(self) -> CompileTimes:
         """What start-up compiled, and how long it took (kernels are never compiled inside a step)."""
-        native = None if self.ops is None else self.ops.native
         return CompileTimes(
-            native_kernels_s=None if native is None else native.build_seconds,
-            native_kernels_compiled=None if native is None else native.compiled_now,
+            **native_load(None if self.ops is None else self.ops.native, self.load_started),
             torch_compile_s=self.warmup_seconds if self.ops is not None and self.ops.compiles_on_first_use else None,
             cuda_graphs_s=None if self.cuda_graphs is None else self.cuda_graphs.capture_seconds)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.ops import Ops, get_ops
-from .compile_times import CompileTimes
+from .compile_times import CompileTimes, native_load
 from .config import EngineConfig
 from .encoder_inputs import prepare_encoder_batch
 from .errors import ConfigError
@@ -54,12 +54,13 @@ class PoolingModelRunner:
         self.pooler: Pooler | None = None
         self.pooler_config: PoolerConfig | None = None
         self.load_seconds = 0.0
+        self.load_started = 0.0  # perf_counter() when load_model began
         self.takes_tensors = False
         if device.type == "cpu":
             torch.set_num_threads(cpu_thread_count(config.model.num_threads))
 
     def load_model(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.load_started = time.perf_counter()
         cls = get_model_class(self.hf_config)
         # Encoders are compute-bound (every token of every prompt through every GEMM): weights stay
         # in the model's dtype, where the prepacked GEMMs are fastest (and are never quantized).
@@ -99,9 +100,7 @@ class PoolingModelRunner:
         return 0  # an encoder keeps nothing between steps
 
     def compile_times(self) -> CompileTimes:
-        native = None if self.ops is None else self.ops.native
-        return CompileTimes(native_kernels_s=None if native is None else native.build_seconds,
-                            native_kernels_compiled=None if native is None else native.compiled_now,
+        return CompileTimes(**native_load(None if self.ops is None else self.ops.native, self.load_started),
                             torch_compile_s=None, cuda_graphs_s=None)
 
     @torch.inference_mode()

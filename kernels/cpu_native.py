@@ -161,6 +161,7 @@ class NativeKernels:
     tier: CpuTier
     build_seconds: float   # finding or compiling the library (compiling: a few seconds)
     compiled_now: bool     # False: an earlier build of the same sources, flags and compiler was reused
+    loaded_at: float = field(default_factory=time.perf_counter, compare=False)  # perf_counter() once loaded
     _small_linear: dict = field(default_factory=dict, repr=False, compare=False)  # probe results per dtype pair
 
     def _fn(self, name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):

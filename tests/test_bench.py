@@ -423,3 +423,17 @@ def test_compile_times_describe_each_kind():
     assert both.describe() == "torch.compile warm-up 11.0 s, CUDA graph capture 4.5 s"
     assert both.to_dict() == {"native_kernels_s": None, "native_kernels_compiled": None,
                               "torch_compile_s": 11.0, "cuda_graphs_s": 4.5}
+
+
+def test_native_compile_is_reported_only_by_the_start_up_that_did_it():
+    # The kernels load once per process: an engine started after they loaded (after another engine,
+    # a test, a benchmark script) compiled nothing, so its build must not claim their compile.
+    from types import SimpleNamespace
+
+    from vbatch.engine.compile_times import CompileTimes, native_load
+    native = SimpleNamespace(build_seconds=13.0, compiled_now=True, loaded_at=100.0)
+    assert native_load(None, 50.0) == {"native_kernels_s": None, "native_kernels_compiled": None}
+    assert native_load(native, 99.5) == {"native_kernels_s": 13.0, "native_kernels_compiled": True}  # loaded in it
+    later = native_load(native, 120.0)
+    assert later == {"native_kernels_s": 0.0, "native_kernels_compiled": False}
+    assert CompileTimes(**later).describe() == "native C kernels 0.0 s (reused build)"
