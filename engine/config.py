@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's 8-bit KV caches: fp8 is E4M3 (scale 1.0, vLLM's default without calibrated scales)
+_KV_DTYPES = (*_DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = (None, "q8_0")   # kernels/q8_0.py
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -95,11 +97,15 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """CUDA only: the share of device memory the engine may use (weights + activations + KV)."""
     kv_cache_dtype: str = "auto"
-    """auto | float32 | float16 | bfloat16: how keys and values are stored (vLLM's kv_cache_dtype).
-    auto: the model's dtype, except that an fp32 model whose dtype is auto (a CPU without fast
-    bf16) stores them in the CPU tier's half format, like its weights (half the cache's memory and
-    of the bytes decode attention reads; scores and sums stay fp32). float16 / bfloat16 ask for that
-    under dtype float32 on any CPU."""
+    """auto | float32 | float16 | bfloat16 | fp8 | fp8_e4m3 | fp8_e5m2: how keys and values are
+    stored (vLLM's kv_cache_dtype). auto: the model's dtype, except that an fp32 model whose dtype is
+    auto (a CPU without fast bf16) stores them in the CPU tier's half format, like its weights (half
+    the cache's memory and of the bytes decode attention reads; scores and sums stay fp32). float16 /
+    bfloat16 ask for that under dtype float32 on any CPU. fp8 (= fp8_e4m3, OCP E4M3FN, 3 mantissa
+    bits, up to 448) and fp8_e5m2 (2 mantissa bits, up to 57344) store one byte per value under an
+    fp32 or bf16 model, on the CPU: values rounded to nearest even and saturated, scale 1.0 (vLLM's
+    default without calibrated scales); a quarter (fp32) or half (bf16) of the bytes, an accuracy
+    cost (docs/performance.md)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of identical prompt prefixes (chained block hashes, LRU eviction)."""
     num_gpu_blocks_override: int | None = None
@@ -108,8 +114,8 @@ class CacheConfig:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError("block_size", f"must be a power of two >= 1, got {self.block_size}")
-        if self.kv_cache_dtype not in _DTYPES:
-            raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in _KV_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(_KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -6,6 +6,8 @@ import torch
 from .errors import ConfigError
 
 _NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the KV cache's 8-bit formats (vLLM's names; fp8 is E4M3)
+FP8_KV = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,13 +64,23 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) ->
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
-    """How the KV cache is stored: the same rule as resolve_weight_dtype."""
+    """How the KV cache is stored: the same rule as resolve_weight_dtype, and the fp8 formats (fp8,
+    fp8_e4m3, fp8_e5m2) under an fp32 or bf16 model on the CPU (the native kernels widen them in
+    registers; the references read them with .float())."""
+    if name in FP8_KV:
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError("kv_cache_dtype", f"{name} is stored and read by the CPU kernels only, under an fp32 "
+                              f"or bf16 model (here: {device.type}, {str(dtype).removeprefix('torch.')})",
+                              hint="use kv_cache_dtype auto on this device")
+        return FP8_KV[name]
     return _storage_dtype("kv_cache_dtype", name, dtype, device)
 
 
 def _storage_dtype(field: str, name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     if name == "auto":
         return None
+    if name not in _NAMED:
+        raise ConfigError(field, f"{name} is not a storage dtype here", hint=f"use auto or one of {', '.join(_NAMED)}")
     stored = _NAMED[name]
     if stored == dtype or (device.type == "cpu" and dtype == torch.float32 and stored != torch.float32):
         return stored

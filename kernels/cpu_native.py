@@ -9,7 +9,8 @@ NOTE: why C and ctypes rather than a torch extension: the kernels need no torch 
 raw pointers), so a few `cc` calls build them in seconds instead of a minute, and the library links
 the same OpenMP runtime torch already loaded (libgomp, by soname), so its threads are torch's
 threads. Every source is compiled once per variant (vb_act.h: fp32 activations over an fp32, fp16 or bf16
-KV cache, and bf16 activations; entry points suffixed _f32, _f32_kvf16, _f32_kvbf16, _bf16) with
+KV cache, and bf16 activations; entry points suffixed _f32, _f32_kvf16, _f32_kvbf16, _bf16; the sources
+that touch the KV cache also over an fp8 one, E4M3 or E5M2, under either activations: _f32_kve4m3 ...) with
 the tier's target flags (kernels/cpu_features.py) and linked into
 one library in $VBATCH_CACHE/kernels/<hash of sources, flags, compiler, CPU flags>/, written to a
 temporary name and renamed, so concurrent processes never load a half-written file.
@@ -48,12 +49,23 @@ HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h", CSRC / 
            CSRC / "vb_attention_tiled.h", CSRC / "vb_attention_spans.h")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",
          "-Wall", "-Wno-psabi")
-# (activation dtype, KV-cache dtype): the variants every source is compiled for (vb_act.h), with
+# (activation dtype, KV-cache dtype): the variants the sources are compiled for (vb_act.h), with
 # their entry points' suffix and the -D flags that select them
 VARIANTS = {(torch.float32, torch.float32): ("f32", ("-DVB_ACT_F32",)),
             (torch.float32, torch.float16): ("f32_kvf16", ("-DVB_ACT_F32", "-DVB_KV_F16")),
             (torch.float32, torch.bfloat16): ("f32_kvbf16", ("-DVB_ACT_F32", "-DVB_KV_BF16")),
-            (torch.bfloat16, torch.bfloat16): ("bf16", ())}
+            (torch.bfloat16, torch.bfloat16): ("bf16", ()),
+            (torch.float32, torch.float8_e4m3fn): ("f32_kve4m3", ("-DVB_ACT_F32", "-DVB_KV_E4M3")),
+            (torch.float32, torch.float8_e5m2): ("f32_kve5m2", ("-DVB_ACT_F32", "-DVB_KV_E5M2")),
+            (torch.bfloat16, torch.float8_e4m3fn): ("bf16_kve4m3", ("-DVB_KV_E4M3",)),
+            (torch.bfloat16, torch.float8_e5m2): ("bf16_kve5m2", ("-DVB_KV_E5M2",))}
+# The fp8 KV caches' variants are built from the sources that touch the cache only (the attention,
+# the KV write, the decoder layer and what it calls), and bind those sources' entry points.
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
+              CSRC / "cpu_decoder_layer.c")
+KV_ENTRY_POINTS = ("vb_paged_attention", "vb_linear_small", "vb_rms_norm", "vb_silu_and_mul", "vb_rotary",
+                   "vb_write_kv", "vb_decoder_layer")
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # cpu_linear_small.c's weight formats (vb_kernels.h VB_WEIGHT_*); an int8 weight is always in the
 # Q8_0 row layout (kernels/q8_0.py)
@@ -125,7 +137,8 @@ def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         jobs = [([cc, *flags, *defines, f"-I{CSRC}", "-c", str(source), "-o", f"{tmp}/{source.stem}_{suffix}.o"],
                  f"{source.name} ({suffix})")
-                for source in SOURCES for suffix, defines in VARIANTS.values()]
+                for (_, kv_dtype), (suffix, defines) in VARIANTS.items()
+                for source in (KV_SOURCES if kv_dtype in FP8_KV_DTYPES else SOURCES)]
 
         def compile_one(job: tuple[list[str], str]) -> subprocess.CompletedProcess:
             return subprocess.run(job[0], capture_output=True, text=True)
@@ -350,7 +363,9 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_vector_lanes": ([], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
-        for suffix, _ in VARIANTS.values():
+        for (_, kv_dtype), (suffix, _) in VARIANTS.items():
+            if kv_dtype in FP8_KV_DTYPES and name not in KV_ENTRY_POINTS:
+                continue
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, restype
     return NativeKernels(lib, path, tier, build_seconds, compiled_now)

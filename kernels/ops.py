@@ -128,7 +128,7 @@ def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtyp
                               **_ENCODER_FAST)
     if dtype == torch.bfloat16 and fast_bf16:
         ops = dataclasses.replace(ops, apply_rotary=cpu_rotary.apply_rotary, prepare_rotary=cpu_rotary.prepare_rotary)
-        if native is None:  # no C compiler: inductor's decode attention (compiled at the first steps)
+        if native is None and kv_cache_dtype == dtype:  # no C compiler: inductor's decode attention
             ops = dataclasses.replace(ops, name=f"{ops.name}-compiled", paged_attention=cpu_attention.paged_attention,
                                       prepare_attention=cpu_attention.prepare_attention, compiles_on_first_use=True)
     elif dtype not in (torch.float32, torch.bfloat16):

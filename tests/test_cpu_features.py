@@ -105,3 +105,11 @@ def test_storage_dtype_pairs():
             resolve("float16", torch.bfloat16, cpu)
         with pytest.raises(ConfigError, match=field):
             resolve("float16", torch.float32, torch.device("cuda"))
+    # the fp8 KV caches (vLLM's names; fp8 is E4M3): under fp32 or bf16 models, on the CPU only
+    for name, want in (("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        assert resolve_kv_cache_dtype(name, torch.float32, cpu) == want
+        assert resolve_kv_cache_dtype(name, torch.bfloat16, cpu) == want
+        with pytest.raises(ConfigError, match=f"kv_cache_dtype: {name} is stored and read by the CPU kernels only"):
+            resolve_kv_cache_dtype(name, torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        resolve_weight_dtype("fp8", torch.float32, cpu)

@@ -33,6 +33,11 @@ ATTN_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 VARIANTS = [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
             (torch.bfloat16, torch.bfloat16)]
 VARIANT_IDS = ["fp32", "fp32-kvfp16", "fp32-kvbf16", "bf16"]
+# the fp8 caches (kv_cache_dtype fp8 / fp8_e5m2) under either activations: the attention reads the
+# same stored values as the reference (which widens them with .float()), so the same tolerances hold
+FP8_VARIANTS = [(torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2),
+                (torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2)]
+FP8_VARIANT_IDS = ["fp32-kve4m3", "fp32-kve5m2", "bf16-kve4m3", "bf16-kve5m2"]
 
 CASES = {**CASES,
          "long_prefill_on_prefix": ([37], [40], 16),      # several 16-row items over many blocks
@@ -60,6 +65,12 @@ def variant(request) -> tuple[torch.dtype, torch.dtype]:
     return request.param
 
 
+@pytest.fixture(params=VARIANTS + FP8_VARIANTS, ids=VARIANT_IDS + FP8_VARIANT_IDS)
+def any_variant(request) -> tuple[torch.dtype, torch.dtype]:
+    """`variant` and the fp8 caches: for the tests that cover every path of the attention and the KV write."""
+    return request.param
+
+
 def _step(case_or_lens, variant, **kwargs):
     """A random step (test_cpu_kernels._random_step) with the query in variant[0], the caches in variant[1]."""
     dtype, kv_dtype = variant if isinstance(variant, tuple) else (variant, variant)
@@ -79,14 +90,14 @@ def _attention_error(native, case, variant, head_dim=64, group=3, threads=2, kv_
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_attention_matches_reference(native, variant, case):
-    assert _attention_error(native, case, variant) < ATTN_TOL[variant[0]]
+def test_native_attention_matches_reference(native, any_variant, case):
+    assert _attention_error(native, case, any_variant) < ATTN_TOL[any_variant[0]]
 
 
 @pytest.mark.parametrize("head_dim,group", SHAPES)
-def test_native_attention_every_specialisation(native, variant, head_dim, group):
+def test_native_attention_every_specialisation(native, any_variant, head_dim, group):
     for case in ("decode_ragged", "mixed_prefill_and_decode", "long_prefill_on_prefix", "prefill_block_32_on_prefix"):
-        assert _attention_error(native, case, variant, head_dim, group) < ATTN_TOL[variant[0]], case
+        assert _attention_error(native, case, any_variant, head_dim, group) < ATTN_TOL[any_variant[0]], case
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -101,10 +112,10 @@ def test_native_attention_same_rows_whatever_the_thread_count(native, variant, t
 
 
 @pytest.mark.parametrize("block_size", [8, 16])  # 16: prefill rows take the tiled path
-def test_native_attention_never_reads_unowned_slots(native, variant, block_size):
+def test_native_attention_never_reads_unowned_slots(native, any_variant, block_size):
     # Slots past each request's length and blocks no request owns may hold anything (the cache is
     # allocated with torch.empty): NaN there must not reach the output.
-    query, key_cache, value_cache, attn, scale = _step(([2, 13, 30], [1, 1, 7], block_size), variant, head_dim=64)
+    query, key_cache, value_cache, attn, scale = _step(([2, 13, 30], [1, 1, 7], block_size), any_variant, head_dim=64)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
     for r, n in enumerate(attn.seq_lens_list):
         last = int(attn.block_tables[r][(n - 1) // block_size])
@@ -115,26 +126,26 @@ def test_native_attention_never_reads_unowned_slots(native, variant, block_size)
         key_cache[b], value_cache[b] = float("nan"), float("nan")
     got = native.paged_attention(query, key_cache, value_cache, attn, scale, 2)
     assert torch.isfinite(got.float()).all()
-    assert (got.float() - want.float()).abs().max().item() < ATTN_TOL[variant[0]]
+    assert (got.float() - want.float()).abs().max().item() < ATTN_TOL[any_variant[0]]
 
 
-def test_native_attention_long_context_softmax_is_stable(native, variant):
+def test_native_attention_long_context_softmax_is_stable(native, any_variant):
     # Large logits (scores ~ +-60) over 2,000 positions: the online softmax must rescale exactly.
-    dtype = variant[0]
-    query, key_cache, value_cache, attn, _ = _step(([1999], [1], 16), variant, head_dim=64)
+    dtype = any_variant[0]
+    query, key_cache, value_cache, attn, _ = _step(([1999], [1], 16), any_variant, head_dim=64)
     query = (query.float() * 8).to(dtype)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, 1.0)
     got = native.paged_attention(query, key_cache, value_cache, attn, 1.0, 2)
     assert (got.float() - want.float()).abs().max().item() < 10 * ATTN_TOL[dtype]
 
 
-def test_native_attention_tiled_path_rescales_when_the_max_moves(native, variant):
+def test_native_attention_tiled_path_rescales_when_the_max_moves(native, any_variant):
     # The many-row path keeps its running max until a score exceeds it by more than LAZY_MAX (8):
     # keys growing along the sequence make the max jump by tens at later chunks, and rows
     # that see only the early chunks never rescale. Large logits (+-100) on a prefix and a prefill.
     torch.manual_seed(3)
-    dtype, kv_dtype = variant
-    query, key_cache, value_cache, attn, _ = _step(([30, 0], [50, 70], 16), variant, head_dim=64)
+    dtype, kv_dtype = any_variant
+    query, key_cache, value_cache, attn, _ = _step(([30, 0], [50, 70], 16), any_variant, head_dim=64)
     query = (query.float() * 4).to(dtype)
     ramp = torch.linspace(0.2, 3.0, key_cache.shape[0] * key_cache.shape[1]).view(key_cache.shape[0], -1, 1, 1)
     key_cache = (key_cache.float() * ramp).to(kv_dtype)
@@ -400,11 +411,11 @@ def test_native_rotary_matches_reference_on_qkv_views(native, dtype):
     assert got_q.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
 
 
-def test_native_kv_write_matches_reference(native, variant):
+def test_native_kv_write_matches_reference(native, any_variant):
     # The cache may be narrower than the activations (fp16 / bf16 under fp32): rounded to nearest
     # even exactly as the reference's .to(); specials (subnormals, overflow, NaN) included.
     from vbatch.kernels import cache_ref
-    dtype, kv_dtype = variant
+    dtype, kv_dtype = any_variant
     torch.manual_seed(0)
     kv = torch.randn(5, 2 * 3 * 64).to(dtype)
     kv[0, :8] = torch.tensor([1e-6, -3e-8, 6.1e-5, 65519.0, 65520.0, 1e30, float("nan"), -float("inf")]).to(dtype)
@@ -491,12 +502,14 @@ def test_disabled_by_environment(monkeypatch):
 # --- the whole decoder layer in one call (kernels/csrc/cpu_decoder_layer.c) ----------------------
 
 # (activation dtype, weight storage, KV cache): fp32 exact, fp32 with the half formats (dtype auto:
-# avx2 fp16, portable bf16), bf16
+# avx2 fp16, portable bf16), bf16, and the fp8 caches (kv_cache_dtype fp8 / fp8_e5m2)
 LAYER_CASES = [(torch.float32, torch.float32, torch.float32), (torch.float32, torch.float16, torch.float16),
-               (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, torch.bfloat16)]
+               (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+               (torch.float32, torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.bfloat16, torch.float8_e5m2)]
 
 
-@pytest.mark.parametrize("act,weights,kv", LAYER_CASES, ids=["fp32", "fp32-fp16", "fp32-bf16", "bf16"])
+@pytest.mark.parametrize("act,weights,kv", LAYER_CASES,
+                         ids=["fp32", "fp32-fp16", "fp32-bf16", "bf16", "fp32-fp16-kve4m3", "bf16-kve5m2"])
 @pytest.mark.parametrize("name", ["llama_untied_biases", "qwen2"])  # every bias pointer; GQA
 def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weights, kv, monkeypatch):
     # Oracle: the same model running its layers' forward (the native ops one by one, each tested

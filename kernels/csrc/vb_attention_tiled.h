@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void attend_rows_tiled(
             for (int b = 0; b < DP; b += 16) {  /* keys transposed: kt[dp][j] = pair dp of position j */
                 __m512i r[16];
                 for (int j = 0; j < 16; ++j)
-                    r[j] = j < n ? _mm512_loadu_si512((const uint32_t *)(krows + j * row_stride) + b) : _mm512_setzero_si512();
+                    r[j] = j < n ? load_kv_bf16x32(krows + j * row_stride + 2 * b) : _mm512_setzero_si512();
                 transpose16x16_epi32(r);
                 for (int j = 0; j < 16; ++j) _mm512_store_si512(sc->kt + (b + j) * 16, r[j]);
             }
