@@ -18,6 +18,17 @@
  * positions from memory: 56-58 ns per (position, kv head) without, 34-35 at 32 ahead, 37-38 at 16,
  * 37-39 at 64, 40-42 at 128 (docs/performance.md, session 12). */
 #define SPAN_PREFETCH SPAN
+/* A cache that needs more than a shift to widen (fp8, fp16) has each span's values widened once per
+ * kv head into the scratch's key/value buffers (sc->kt: 16 x D + 16 x D floats in builds without
+ * vdpbf16ps, = SPAN x D), not once per query head of the group. bench/decode_attention.py, avx2
+ * tier on the Intel Xeon, fp32 queries, 2 alternating rounds: fp16 cache 22.7-23.0 -> 20.5-20.9 ns
+ * per position and kv head in L2 (--batch 4 --positions 256 --layers 1 --threads 1), 43.8-44.2 ->
+ * 42.4-44.1 from memory (256 x 384); E4M3 46.8-51.0 -> 33.9-35.0, E5M2 36.1-40.4 -> 32.8-33.0. */
+#if defined(VB_KV_E4M3) || defined(VB_KV_E5M2) || defined(VB_KV_F16)
+#define SPAN_VALUES_WIDENED 1
+#else
+#define SPAN_VALUES_WIDENED 0
+#endif
 
 /* Where position `pos` of the item's request sits in a cache (kv head h). */
 static inline const kv_t *cache_row(const kv_t *cache, const ItemView *iv, int block_size, int block_shift,
@@ -103,6 +114,16 @@ static inline __attribute__((always_inline)) void attend_row_spans(
                 else if (gg == 2) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, ahead, out, NV, 2);
                 else span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, ahead, out, NV, 1);
             }
+#if SPAN_VALUES_WIDENED
+            /* the span's values of this kv head widened once for every query head of the group */
+            float *vspan = (float *)sc->kt;
+            for (int o = 0; o < n; ++o) {
+                const kv_t *vrow = cache_row(p->value_cache, iv, p->block_size, block_shift, s0 + o, h, D);
+                prefetch_row(p->value_cache, iv, p->block_size, block_shift, s0 + o + SPAN_PREFETCH, len, h, D);
+#pragma GCC unroll 16
+                for (int c = 0; c < NV; ++c) store_f32(vspan + o * D + VL * c, load_kv(vrow + VL * c));
+            }
+#endif
             for (int g = 0; g < G; ++g) {
                 float *sg = sc->scores + g * SPAN;
                 vf vmax = splat(-FLT_MAX);
@@ -124,12 +145,17 @@ static inline __attribute__((always_inline)) void attend_row_spans(
 #pragma GCC unroll 16
                 for (int c = 0; c < NV; ++c) a[c] = load_f32(acc + g * D + VL * c) * alpha;
                 for (int o = 0; o < n; ++o) {
+                    const float w = sg[o];
+#if SPAN_VALUES_WIDENED
+#pragma GCC unroll 16
+                    for (int c = 0; c < NV; ++c) a[c] += w * load_f32(vspan + o * D + VL * c);
+#else
                     const kv_t *vrow = cache_row(p->value_cache, iv, p->block_size, block_shift, s0 + o, h, D);
                     if (g == 0)
                         prefetch_row(p->value_cache, iv, p->block_size, block_shift, s0 + o + SPAN_PREFETCH, len, h, D);
-                    const float w = sg[o];
 #pragma GCC unroll 16
                     for (int c = 0; c < NV; ++c) a[c] += w * load_kv(vrow + VL * c);
+#endif
                 }
 #pragma GCC unroll 16
                 for (int c = 0; c < NV; ++c) store_f32(acc + g * D + VL * c, a[c]);
