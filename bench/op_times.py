@@ -1,6 +1,6 @@
 """Where a throughput run's time goes: every op and Linear of the model timed, split by step kind.
 
-    python bench/op_times.py [--num-prompts 128] [--threads 2] [--quantization q8_0]
+    python bench/op_times.py [--num-prompts 128] [--threads 2] [--quantization q8_0] [--kv-cache-dtype fp8]
 
 Runs the issue's workload shape (prompts of 128-512 random tokens, 128 output tokens, temperature
 1, EOS ignored) through `LLM.generate` with a wall-clock timer around every `Ops` function, every
@@ -32,11 +32,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default=None, help="q8_0: the optional int8 weights (kernels/q8_0.py)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto, float16, bfloat16, fp8, fp8_e5m2: the KV cache's storage")
     args = ap.parse_args()
 
     from vbatch import LLM, SamplingParams
     llm = LLM(args.model, max_num_seqs=256, enable_prefix_caching=False, quiet=True, num_threads=args.threads,
-              quantization=args.quantization)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     runner, model = engine.runner, engine.runner.model
     seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
