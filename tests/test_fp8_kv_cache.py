@@ -12,8 +12,8 @@ Oracles:
     current token's too, as the engine's does). Rounding to 3 or 2 mantissa bits turns the tiny
     fp32 differences between two implementations into whole fp8 steps here and there, so the
     logits are not identical: the engine must be clearly closer to that oracle than to the
-    unrounded model (prefill logits, the median over 20 prompts), which a cache left unrounded
-    or rounded another way fails;
+    unrounded model (prefill logits, the median over 20 prompts, CLOSER_BY), which a cache left
+    unrounded or rounded to the other format fails;
   - the accuracy cost, reported (-s prints it) and held to the contract measured when written:
     greedy agreement with the unrounded cache (docs/performance.md, "fp8 KV cache").
 """
@@ -34,7 +34,13 @@ FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # 1.55 / 2.15), E5M2 0.69 / 2.04 (max 1.74 / 8.96). Greedy against the unrounded cache (16 tokens):
 # E4M3 common prefix 68.8%, first token 100%, fp32 margins at the departures 0.005-0.43 (bf16 model:
 # 65.9%, 95%); E5M2 55.0%, 95%, margins 0.005-1.67 (two mantissa bits: not only near-ties).
-CLOSER_BY = 2.0           # median distance to the unrounded model / to the rounding oracle, at least
+# How much closer (median over the prompts) the engine must be to the rounding oracle than to the
+# unrounded model. Measured: 3.6x (E4M3) / 3.0x (E5M2) here, 3.1x / 2.8x on the avx2 tier, 1.9x /
+# 2.1x with torch and oneDNN held to AVX2 (their GEMMs then round differently from transformers',
+# and more keys land on the other side of an fp8 rounding boundary). Measured failing cases: a cache
+# left unrounded scores 0x; one rounded to the other fp8 format 0.39x (E4M3 against the E5M2
+# oracle) and 0.71x (E5M2 against the E4M3 one).
+CLOSER_BY = 1.5
 MAX_TO_ORACLE = 3.0       # max |diff| to the rounding oracle, any prompt
 MIN_PREFIX_SHARE = {"fp8": 0.6, "fp8_e5m2": 0.45}
 MIN_FIRST_TOKEN_SHARE = {"fp8": 0.9, "fp8_e5m2": 0.85}
