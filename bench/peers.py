@@ -1,12 +1,12 @@
 """vbatch against its peers on the same prompts: vLLM's CPU build, transformers, llama.cpp (if installed).
 
-    python bench/peers.py [--quick] [--repeats 3] [--systems vbatch,vllm,transformers,llamacpp[,vbatch-q8_0]]
+    python bench/peers.py [--quick] [--repeats 3] [--systems vbatch,vllm,transformers,llamacpp[,vbatch-q8_0,vbatch-fp8]]
                           [--transformers-batch-sizes 32,64] [--transformers-dtypes auto]
                           [--llamacpp-batch-sizes 1,16] [--no-docs] [--skip-latency]
 
 Builds the prompts once (vbatch's seeded random dataset, `vbatch.cli.bench_dataset`) and gives
-the very same token ids to every system (`vbatch-q8_0`: vbatch with its optional `--quantization
-q8_0`, a row of its own, never the "vbatch" the ratios are taken of); runs each system in its own process and its own
+the very same token ids to every system (`vbatch-q8_0` / `vbatch-fp8`: vbatch with its optional
+`--quantization q8_0` / `--kv-cache-dtype fp8`, rows of their own, never the "vbatch" the ratios are taken of); runs each system in its own process and its own
 high-priority session, alternating the systems and rotating their order every repetition;
 records /proc/loadavg around each run; prints medians and ratios and writes this CPU kind's
 section of docs/benchmarks.md (one section per kind: the native-kernel tier and the CPU flags that
@@ -166,12 +166,14 @@ def timed_run(cmd: list[str], priority: list[str], env: dict, log: Path) -> tupl
     return rc, wall, before, f"{loadavg()} (others busy: {others:.2f} cores)"
 
 
+# vbatch and its optional settings, each a row of its own (the ratios are taken of "vbatch")
+VBATCH_SYSTEMS = {"vbatch": [], "vbatch-q8_0": ["--quantization", "q8_0"], "vbatch-fp8": ["--kv-cache-dtype", "fp8"]}
+
+
 def vbatch_cmds(spec: dict, out: Path, system: str = "vbatch") -> list[list[str]]:
     vbatch = shutil.which("vbatch") or str(Path(sys.executable).parent / "vbatch")
     common = [vbatch, "bench", "throughput", "--model", spec["model"], "--output-len", str(spec["output_len"]),
-              "--seed", str(spec["seed"]), "--threads", str(spec["threads"])]
-    if system == "vbatch-q8_0":
-        common += ["--quantization", "q8_0"]
+              "--seed", str(spec["seed"]), "--threads", str(spec["threads"]), *VBATCH_SYSTEMS[system]]
     cmds = [common + ["--num-prompts", str(len(spec["prompts"])), "--input-len", spec["input_len"],
                       "--json", str(out.with_suffix(".tput.json"))]]
     if spec["latency_iters"]:
@@ -186,7 +188,7 @@ def run_one(system: str, variant: str, spec: dict, spec_path: Path, workdir: Pat
     env = worker_env(spec["threads"])
     workers = str(HERE / "peer_workers.py")
     record: dict = {"system": system, "variant": variant, "tag": tag}
-    if system in ("vbatch", "vbatch-q8_0"):
+    if system in VBATCH_SYSTEMS:
         result: dict = {"system": "vbatch"}
         for cmd in vbatch_cmds(spec, out, system):
             rc, wall, before, after = timed_run(cmd, priority, env, workdir / f"{tag}.log")

@@ -169,7 +169,7 @@ def _target_lines(kind: str, rows: list[dict], fractions: dict) -> list[str]:
 
 
 def _batch_label(r: dict) -> str:
-    if r["system"] in ("vbatch", "vbatch-q8_0", "vllm"):
+    if r["system"].startswith("vbatch") or r["system"] == "vllm":
         return "≤ 256 (scheduler)"
     if r["system"] == "llamacpp":
         return "1 (sequential)" if r["variant"] == "1" else f"{r['variant']} sequences batched"

@@ -183,8 +183,8 @@ class NativeKernels:
     def paged_attention(
         self,
         query: torch.Tensor,        # [num_tokens, num_q_heads, head_dim] fp32 / bf16
-        key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim]: query's dtype, or fp16 /
-        value_cache: torch.Tensor,  # bf16 under fp32 queries (cpu_native.VARIANTS)
+        key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim]: query's dtype, fp16 / bf16
+        value_cache: torch.Tensor,  # under fp32 queries, or fp8 (E4M3FN / E5M2) under either (VARIANTS)
         attn: AttentionMetadata,
         scale: float,
         num_threads: int,
@@ -337,8 +337,9 @@ class NativeKernels:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """key, value [T, Hk, D] (rows may be apart); caches contiguous, in key's dtype or a half precision
-        (rounded to nearest even, as .to() does); slots [T] int64 contiguous."""
+        """key, value [T, Hk, D] (rows may be apart); caches contiguous, in key's dtype, a half precision
+        (rounded to nearest even, as .to() does) or fp8 (rounded so, and saturated: cache_ref's clamp
+        and .to()); slots [T] int64 contiguous."""
         self._fn("vb_write_kv", key.dtype, key_cache.dtype)(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                            key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
                                            key.shape[0], key.shape[1] * key.shape[2])
