@@ -10,7 +10,8 @@ import torch
 
 # 8-bit caches (kv_cache_dtype fp8 / fp8_e5m2): saturated to the format's largest finite value, as
 # vLLM stores them (torch's own .to() overflows E5M2 to inf), NaN kept
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def write_kv_cache(
     key: torch.Tensor,           # [num_tokens, num_kv_heads, head_dim]
@@ -25,7 +26,7 @@ def write_kv_cache(
     flat_keys = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_values = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     slots = slot_mapping.to(torch.long)
-    if key_cache.dtype in FP8:  # rounded to nearest even and saturated; copied as bytes (no fp8 index_copy_)
+    if key_cache.dtype in FP8_KV_DTYPES:  # rounded to nearest even and saturated; copied as bytes (no fp8 index_copy_)
         limit = torch.finfo(key_cache.dtype).max
         flat_keys.view(torch.uint8).index_copy_(0, slots, key.float().clamp(-limit, limit).to(key_cache.dtype)
                                                  .view(torch.uint8))

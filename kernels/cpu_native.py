@@ -37,6 +37,7 @@ import torch
 
 from . import q8_0
 from .attention_metadata import AttentionMetadata
+from .cache_ref import FP8_KV_DTYPES
 from .cpu_features import CpuFeatures, CpuTier, detect, selected_tier
 
 logger = logging.getLogger("vbatch.kernels")
@@ -59,9 +60,9 @@ VARIANTS = {(torch.float32, torch.float32): ("f32", ("-DVB_ACT_F32",)),
             (torch.float32, torch.float8_e5m2): ("f32_kve5m2", ("-DVB_ACT_F32", "-DVB_KV_E5M2")),
             (torch.bfloat16, torch.float8_e4m3fn): ("bf16_kve4m3", ("-DVB_KV_E4M3",)),
             (torch.bfloat16, torch.float8_e5m2): ("bf16_kve5m2", ("-DVB_KV_E5M2",))}
-# The fp8 KV caches' variants are built from the sources that touch the cache only (the attention,
-# the KV write, the decoder layer and what it calls), and bind those sources' entry points.
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The fp8 KV caches' variants (cache_ref.FP8_KV_DTYPES) are built from the sources that touch the
+# cache only (the attention, the KV write, the decoder layer and what it calls), and bind those
+# sources' entry points.
 KV_SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
               CSRC / "cpu_decoder_layer.c")
 KV_ENTRY_POINTS = ("vb_paged_attention", "vb_linear_small", "vb_rms_norm", "vb_silu_and_mul", "vb_rotary",

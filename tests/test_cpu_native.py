@@ -432,6 +432,30 @@ def test_native_kv_write_matches_reference(native, any_variant):
         assert torch.equal(got[~nan], want[~nan])                      # every other value bit for bit
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_native_fp8_kv_write_rounds_every_code_and_every_tie(native, dtype, kv_dtype):
+    # Every finite fp8 value, every midpoint between neighbours (exact ties: nearest even), points a
+    # quarter step either side of them, and values past the largest (saturated), with both signs:
+    # the native write bit for bit against the reference's clamp().to() (random data rarely ties).
+    from vbatch.kernels import cache_ref
+    codes = torch.arange(256, dtype=torch.uint8).view(kv_dtype).float()
+    values = codes[torch.isfinite(codes)].unique()                                 # sorted, -max .. max
+    mids = (values[1:] + values[:-1]) / 2
+    quarter = (values[1:] - values[:-1]) / 4
+    x = torch.cat([values, mids, mids - quarter, mids + quarter, values[-1] * torch.tensor([1.03, 1.5, 1e3])])
+    x = torch.cat([x, -x]).to(dtype)
+    rows = -(-x.numel() // 64)
+    x = torch.cat([x, torch.zeros(rows * 64 - x.numel(), dtype=dtype)]).view(rows, 1, 64)
+    slots = torch.arange(rows)
+    want_k = torch.zeros(rows, 1, 1, 64, dtype=kv_dtype)
+    got_k, want_v, got_v = want_k.clone(), want_k.clone(), want_k.clone()
+    cache_ref.write_kv_cache(x, x, want_k, want_v, slots)
+    NativeOps(native).write_kv_cache(x, x, got_k, got_v, slots)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+
+
 def test_native_ops_fall_back_for_inputs_they_do_not_take(native):
     from vbatch.kernels import activation_ref, norm_ref
     ops = NativeOps(native)
