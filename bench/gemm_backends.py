@@ -3,7 +3,8 @@
     python bench/gemm_backends.py [--threads 2] [--rows 16,64,256,1024,2048,8192] [--dtypes float32]
 
 For each dtype and row count, every library kernels/cpu_linear.py can run (oneDNN prepacked, MKL
-through torch's F.linear, zentorch prepacked where its wheel loads) multiplies the same activations
+through torch's F.linear, zentorch prepacked where its wheel loads, vbatch's own fp32 GEMM where the
+native build has AVX2 and FMA) multiplies the same activations
 by the four linear weights of a SmolLM2 layer ([960, 576] qkv, [576, 576] o_proj, [3072, 576]
 gate/up, [576, 1536] down), passes alternating between the libraries, and prints GFLOP/s (the best
 of the passes: interference only slows a pass down), each library's ratio to the fastest and, for
@@ -41,7 +42,7 @@ def main() -> None:
     if peak is not None:
         print(f"fp32 multiply-add peak (registers only, the native {cpu_features.selected_tier().name} tier's "
               f"vectors): {peak:.0f} GFLOP/s")
-    backends = [b for b in (cpu_linear.backend_named(n) for n in ("onednn", "mkl", "zentorch")) if b is not None]
+    available = [b for b in (cpu_linear.backend_named(n) for n in cpu_linear.BACKEND_NAMES) if b is not None]
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         if not cpu_linear.can_pack(dtype):
@@ -49,6 +50,7 @@ def main() -> None:
                   "without avx512_bf16): skipped")
             continue
         chosen = cpu_linear.gemm_backend(dtype).name
+        backends = [b for b in available if dtype in b.dtypes]
         weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in SHAPES}}

@@ -24,7 +24,12 @@ choice measured by bench/gemm_backends.py on the model's shapes:
     1,898 at 64 / 256 / 2,048 rows (0.10-0.24x): ZenDNN has no AMX path.
   - fp32: oneDNN, ahead of zentorch's fp32 GEMM on Zen 3 (118 vs 112 GFLOP/s at 64 rows, 131 vs 104
     at 256) and on the Intel Xeon (206 vs 186 at 64, 289 vs 273 at 256; MKL within 5% there).
-VBATCH_GEMM=onednn|zentorch|mkl overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out);
+  - fp32, vbatch's own (`native`, kernels/csrc/cpu_gemm.c: AVX2 + FMA, 6 x 16 micro tiles over
+    panels packed once): not the default anywhere. On Zen 3 (session 14, 2 threads, the same process
+    alternating with oneDNN, two runs) it ran 1.13-1.2x oneDNN at 16 rows, 0.92-0.99x at 256 and
+    0.87-0.99x at 1,024-2,048 (oneDNN 109-151 GFLOP/s there, the cores' multiply-add peak 176): the
+    library is close to what a hand-written kernel gets, so it stays the choice.
+VBATCH_GEMM=onednn|zentorch|mkl|native overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out);
 `vbatch bench` prints the library in use.
 
 NOTE: half-precision weights. With `weight_dtype` below the model's dtype (an fp32 model on a CPU
@@ -81,6 +86,7 @@ class GemmBackend:
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, str], torch.Tensor]
     # (rows [M, in], packed, bias, other [M, out]) -> (rows W^T + bias) * other, [M, out]
     linear_mul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)  # what it multiplies
 
 
 # activation -> (oneDNN post-op, its algorithm): applied to the fp32 accumulator inside the GEMM
@@ -132,9 +138,44 @@ def _zentorch() -> GemmBackend | None:
     )
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> the same N x K values in cpu_gemm.c's layout, kept in shape [N, K]: the outputs in
+    panels of 16, each [K][16] (k-major), a last panel of N % 16 outputs [K][N % 16]."""
+    n, k = weight.shape
+    whole = n // 16 * 16
+    panels = weight[:whole].reshape(-1, 16, k).transpose(1, 2).reshape(-1)   # [N // 16, K, 16]
+    tail = weight[whole:].t().reshape(-1)                                     # [K, N % 16]
+    return torch.cat([panels, tail]).view(n, k)
+
+
+_ACTIVATIONS = {"none": lambda y: y, "silu": F.silu, "gelu": F.gelu,
+                "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def _native() -> GemmBackend | None:
+    """vbatch's own fp32 GEMM (kernels/csrc/cpu_gemm.c, AVX2 + FMA), where the native kernels load."""
+    from . import cpu_native
+    kernels = cpu_native.load()
+    return native_backend(kernels) if kernels is not None and kernels.has_gemm else None
+
+
+def native_backend(kernels) -> GemmBackend:
+    """The GEMM of one native build (cpu_native.NativeKernels with has_gemm) as a backend."""
+
+    def linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+        return _ACTIVATIONS[act](kernels.gemm(rows, packed, bias, torch.get_num_threads()))
+
+    return GemmBackend(name="native", pack=lambda w: pack_panels(w.detach().float().contiguous()), linear=linear,
+                       linear_mul=lambda rows, packed, bias, other: linear(rows, packed, bias, "none") * other,
+                       dtypes=(torch.float32,))
+
+
+BACKEND_NAMES = ("onednn", "mkl", "zentorch", "native")
+
+
 def backend_named(name: str) -> GemmBackend | None:
-    """onednn | mkl | zentorch (None where zentorch does not load)."""
-    return {"onednn": lambda: ONEDNN, "mkl": lambda: MKL, "zentorch": _zentorch}[name]()
+    """onednn | mkl | zentorch | native (None where zentorch, or the native kernels' GEMM, does not load)."""
+    return {"onednn": lambda: ONEDNN, "mkl": lambda: MKL, "zentorch": _zentorch, "native": _native}[name]()
 
 
 def default_backend(dtype: torch.dtype, cpu: cpu_features.CpuFeatures) -> GemmBackend:
@@ -151,10 +192,13 @@ def gemm_backend(dtype: torch.dtype = torch.bfloat16) -> GemmBackend:
     wanted = os.environ.get("VBATCH_GEMM", "").strip().lower()
     backend = None
     if wanted:
-        if wanted not in ("onednn", "mkl", "zentorch"):
-            logger.warning("VBATCH_GEMM=%s is not one of onednn, mkl, zentorch; using the default", wanted)
+        if wanted not in BACKEND_NAMES:
+            logger.warning("VBATCH_GEMM=%s is not one of %s; using the default", wanted, ", ".join(BACKEND_NAMES))
         else:
             backend = backend_named(wanted)
+            if backend is not None and dtype not in backend.dtypes:
+                logger.warning("VBATCH_GEMM=%s has no %s GEMM; using the default", wanted, dtype)
+                backend = None
     if backend is None:
         backend = default_backend(dtype, cpu_features.detect())
     logger.info("CPU %s GEMMs: %s", str(dtype).removeprefix("torch."), backend.name)

@@ -45,7 +45,7 @@ logger = logging.getLogger("vbatch.kernels")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
            CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c", CSRC / "cpu_encoder_attention.c",
-           CSRC / "cpu_read_probe.c", CSRC / "cpu_fma_probe.c")
+           CSRC / "cpu_read_probe.c", CSRC / "cpu_fma_probe.c", CSRC / "cpu_gemm.c")
 HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h", CSRC / "vb_attention.h",
            CSRC / "vb_attention_tiled.h", CSRC / "vb_attention_spans.h")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",
@@ -249,6 +249,29 @@ class NativeKernels:
             out.data_ptr(), rows.shape[0], weight.shape[0], in_features, num_threads)
         return out if rc == 0 else None
 
+    def gemm(self, rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+             num_threads: int) -> torch.Tensor | None:
+        """rows [M, K] fp32 (unit column stride) times a weight packed by cpu_linear.pack_panels ([N, K]
+        fp32, panels of 16 outputs), plus bias [N] (cpu_gemm.c) -> [M, N] fp32; None: this build has no
+        GEMM (it needs AVX2 and FMA)."""
+        n, k = packed.shape
+        assert rows.dtype == packed.dtype == torch.float32 and packed.is_contiguous() and rows.shape[1] == k >= 1
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        if bias is not None:
+            assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        rc = self._fn("vb_gemm", torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                                 None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                                                 rows.shape[0], n, k, num_threads)
+        return out if rc == 0 else None
+
+    @property
+    def has_gemm(self) -> bool:
+        """Whether this build has the fp32 GEMM (cpu_gemm.c: AVX2 and FMA)."""
+        probe = torch.ones(1, 1)
+        return self.gemm(probe, probe, None, 1) is not None
+
     def read_probe(self, buffer: torch.Tensor, streams: int, num_threads: int) -> int:
         """Read `buffer` (contiguous, a whole number of 8-byte words) once, each thread its share as
         `streams` (1, 2, 4, 8) sequential streams side by side (cpu_read_probe.c): for timing the
@@ -361,6 +384,7 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_encoder_attention": ([p, p, p, i64, p, p, p, i32, i32, i32, i32, f32, i32], ctypes.c_int),
         "vb_read_probe": ([p, i64, i32, i32], ctypes.c_uint64),
         "vb_fma_probe": ([i64, f32, f32, i32], ctypes.c_float),
+        "vb_gemm": ([p, i64, p, p, p, i64, i32, i32, i32, i32], ctypes.c_int),
         "vb_fma_width": ([], ctypes.c_int),
         "vb_vector_lanes": ([], ctypes.c_int),
     }

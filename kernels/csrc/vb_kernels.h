@@ -44,6 +44,11 @@ int VB_ACT(vb_linear_small_shared)(const act_t *x, const void *w, int weight_for
 int VB_ACT(vb_linear_small)(const act_t *x, const void *w, int weight_format, const act_t *bias, act_t *y,
                             int m_rows, int n_out, int k_in, int num_threads);
 
+/* cpu_gemm.c: y[m, n] = x[m, k] W^T (+ b), fp32, W packed in panels of 16 outputs (k >= 1). Returns 0,
+ * or 1 in a build without AVX2 + FMA (no GEMM there). */
+int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                    int m, int n, int k, int num_threads);
+
 /* cpu_elementwise.c: one thread, rows [row_begin, row_end) */
 void VB_ACT(vb_rms_norm_rows)(const act_t *x, const act_t *residual, const act_t *weight, float eps, act_t *out,
                               act_t *new_residual, int64_t row_begin, int64_t row_end, int hidden);

@@ -1,0 +1,86 @@
+"""vbatch's own fp32 GEMM (kernels/csrc/cpu_gemm.c, the `native` GEMM backend of kernels/cpu_linear.py)
+against torch's F.linear in float64, on every native build of this CPU that has it (AVX2 + FMA).
+
+The shapes cover each edge of its blocking: rows not a multiple of its 6-row tile (1-5 left over) or
+of its 96-row block, outputs not a multiple of its 16-output panel (a masked last panel), K not a
+multiple of its 256 block (near-equal blocks), rows apart in memory (a view), and teams of 1-3 threads
+whose panel shares may be empty.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vbatch.kernels import cpu_linear
+
+SHAPES = [  # (rows, outputs, K)
+    (1, 1, 1), (5, 17, 3), (7, 33, 300), (13, 16, 257), (6, 15, 513), (97, 49, 1536), (256, 576, 576),
+    (11, 8, 64), (191, 40, 777), (0, 16, 8)]
+
+
+def _gemm(native):
+    if not native.has_gemm:
+        pytest.skip(f"the {native.tier.name} build has no fp32 GEMM (cpu_gemm.c needs AVX2 and FMA)")
+    return native.gemm
+
+
+def test_pack_panels_is_the_documented_layout():
+    n, k = 37, 5                                      # two whole panels and a tail of 5 outputs
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k)
+    flat = cpu_linear.pack_panels(w).reshape(-1)
+    for p in range(2):
+        for kk in range(k):
+            for j in range(16):
+                assert flat[p * 16 * k + kk * 16 + j] == w[16 * p + j, kk]
+    for kk in range(k):
+        for j in range(5):
+            assert flat[32 * k + kk * 5 + j] == w[32 + j, kk]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_native_gemm_matches_linear(native, shape, threads):
+    gemm = _gemm(native)
+    m, n, k = shape
+    g = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+    w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    wide = torch.randn(m, k + 3, generator=g)
+    x = wide[:, 1:k + 1]                              # rows k + 3 floats apart
+    packed = cpu_linear.pack_panels(w)
+    for b in (None, bias):
+        got = gemm(x, packed, b, threads)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        # fp32 sums of k products of N(0, 1) values: rounding grows with k
+        if m:
+            assert (got.double() - want).abs().max().item() <= 2e-6 * k + 1e-6
+
+
+def test_native_backend_through_packed_linear(native, monkeypatch):
+    """The backend as the model uses it: PackedLinear with VBATCH_GEMM=native, fp16-stored weights
+    widened once, 5+ rows (fewer go through the small-rows kernel)."""
+    _gemm(native)
+    monkeypatch.setattr(cpu_linear, "_native", lambda: cpu_linear.native_backend(native))
+    backend = cpu_linear.backend_named("native")
+    lin = torch.nn.Linear(300, 70)
+    packed = cpu_linear.PackedLinear(lin, backend=backend, weight_dtype=torch.float16)
+    x = torch.randn(2, 9, 300)
+    want = F.linear(x.double(), lin.weight.detach().half().double(), lin.bias.detach().double())
+    got = packed(x)
+    assert got.shape == (2, 9, 70) and (got.double() - want).abs().max().item() <= 1e-3
+    assert "gemm=native" in repr(packed)
+
+
+def test_vbatch_gemm_native_serves_fp32_only(monkeypatch):
+    monkeypatch.setenv("VBATCH_GEMM", "native")
+    cpu_linear.gemm_backend.cache_clear()
+    try:
+        bf16 = cpu_linear.gemm_backend(torch.bfloat16)
+        assert bf16.name != "native"                     # it has no bf16 GEMM: the default serves
+        fp32 = cpu_linear.gemm_backend(torch.float32)
+        native = cpu_linear.backend_named("native")
+        assert fp32.name == ("native" if native is not None else cpu_linear.default_backend(
+            torch.float32, cpu_linear.cpu_features.detect()).name)
+    finally:
+        cpu_linear.gemm_backend.cache_clear()
