@@ -26,6 +26,7 @@ from .record import BatchRecord, RecordError
 InputFormat = Literal["jsonl", "parquet", "openai"]
 ReaderKind = Literal["generate", "embed", "encode"]
 PARQUET_SUFFIXES = (".parquet", ".pq")
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _PARQUET_MAGIC = b"PAR1"
 _PARQUET_BATCH_ROWS = 1024
 
@@ -54,7 +55,10 @@ class RecordReader:
                 raise InputError(f"{self.path}: is a folder, not a batch file")
             with open(self.path, "rb") as f:
                 magic = f.read(4)
-            if self.path.lower().endswith(PARQUET_SUFFIXES) or magic == _PARQUET_MAGIC:
+            # The name decides where it says: a .jsonl whose first line starts "PAR1" is a JSONL line
+            # (a bad one, reported as that record's error); only a name that says neither is sniffed.
+            lower = self.path.lower().removesuffix(".gz").removesuffix(".zst").removesuffix(".zstd")
+            if lower.endswith(PARQUET_SUFFIXES) or (magic == _PARQUET_MAGIC and not lower.endswith(JSON_SUFFIXES)):
                 return "parquet"
         for raw in self._raw_lines(peek=True):
             if raw.strip():

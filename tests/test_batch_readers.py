@@ -157,6 +157,18 @@ def test_parquet_detected_by_content_and_token_ids(tmp_path):
     assert [r.prompt_token_ids for r in reader] == [[1, 2], [3]]
 
 
+def test_a_jsonl_name_is_read_as_jsonl_whatever_its_first_bytes(tmp_path):
+    # Found by tests/test_reader_fuzz.py: a .jsonl whose first line is the text PAR1 was opened as
+    # Parquet and the whole run failed (exit 3); it is a bad JSON line, one record's error.
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'PAR1\n{"prompt": "ok"}\n')
+    reader = open_reader(str(path))
+    assert reader.format == "jsonl"
+    first, second = list(reader)
+    assert isinstance(first, RecordError) and first.line == 1
+    assert second.prompt == "ok"
+
+
 # ---------------------------------------------------------------- OpenAI Batch
 def oa(custom_id, url="/v1/chat/completions", **body):
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
