@@ -40,14 +40,14 @@ def main() -> None:
 
     import torch
 
-    from vbatch.kernels import cpu_features, cpu_native
+    from vbatch.kernels import cpu_features, cpu_native, native_build
 
     q_heads, kv_heads, head_dim, bs = 9, 3, 64, args.block_size
     dtype = getattr(torch, args.dtype)
     kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else dtype
     tier = cpu_features.tier_named(args.tier) if args.tier else cpu_features.selected_tier()
     native = cpu_native.load(tier)
-    if native is None or not cpu_native.has_variant(dtype, kv_dtype):
+    if native is None or not native_build.has_variant(dtype, kv_dtype):
         raise SystemExit(f"no native {tier.name} attention for {args.dtype} queries over a {kv_dtype} cache")
     generator = torch.Generator().manual_seed(0)
     per_req = -(-args.positions // bs)

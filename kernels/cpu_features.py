@@ -4,7 +4,7 @@
     CpuFeatures.tiers                  the tiers it runs, fastest first
     selected_tier() -> CpuTier         the best of them, or the one VBATCH_CPU_TIER names
 
-A tier is one build of the native C kernels (kernels/cpu_native.py compiles one library per tier
+A tier is one build of the native C kernels (kernels/native_build.py compiles one library per tier
 with the tier's compiler flags) plus the choices that go with it: which half-precision format an
 fp32 model's weights and KV cache are stored in (dtype auto), and whether bf16 is a compute dtype
 worth choosing.

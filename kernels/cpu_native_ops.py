@@ -22,7 +22,8 @@ import torch
 
 from . import activation_ref, attention_ref, cache_ref, cpu_attention, cpu_rotary, norm_ref, torch_encoder
 from .attention_metadata import AttentionMetadata
-from .cpu_native import WEIGHT_FORMAT, NativeKernelError, NativeKernels, VbLayer, VbStep, has_variant
+from .cpu_native import WEIGHT_FORMAT, NativeKernelError, NativeKernels, VbLayer, VbStep
+from .native_build import has_variant
 
 logger = logging.getLogger("vbatch.kernels")
 _warned: set[str] = set()

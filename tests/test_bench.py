@@ -387,7 +387,7 @@ def test_small_rows_script_reads_the_model_weights(dtype, weights):
 
 @pytest.mark.parametrize("dtype,kv_dtype", [("float32", "float16"), ("bfloat16", "bfloat16")])
 def test_decode_attention_script_times_the_kernel(dtype, kv_dtype):
-    # Every tier builds both variants (cpu_native.VARIANTS), so both run on any CPU.
+    # Every tier builds both variants (native_build.VARIANTS), so both run on any CPU.
     import subprocess
     import sys
     from pathlib import Path

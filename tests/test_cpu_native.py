@@ -23,13 +23,13 @@ import torch
 
 from conftest import NATIVE_TEST_TIERS
 from test_cpu_kernels import CASES, _random_step
-from vbatch.kernels import attention_ref, cpu_features, cpu_native, cpu_rotary, q8_0
+from vbatch.kernels import attention_ref, cpu_features, cpu_native, cpu_rotary, native_build, q8_0
 from vbatch.kernels.cpu_native_ops import NativeOps
 
 TIERS = NATIVE_TEST_TIERS
 DTYPES = [torch.float32, torch.bfloat16]
 ATTN_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-# (activations, KV cache): cpu_native.VARIANTS; the half caches under fp32 are the dtype-auto storage
+# (activations, KV cache): native_build.VARIANTS; the half caches under fp32 are the dtype-auto storage
 VARIANTS = [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
             (torch.bfloat16, torch.bfloat16)]
 VARIANT_IDS = ["fp32", "fp32-kvfp16", "fp32-kvbf16", "bf16"]
@@ -179,19 +179,19 @@ def test_build_is_cached_per_tier_and_a_missing_compiler_is_reported(tmp_path, m
     # ones the tests above loaded): compiled once, then reused; each tier has its own flags and key.
     tier = cpu_features.selected_tier()
     monkeypatch.setenv("VBATCH_CACHE", str(tmp_path))
-    first, compiled_now = cpu_native.build(tier)
+    first, compiled_now = native_build.build(tier)
     assert compiled_now and first.is_file() and first.is_relative_to(tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert cpu_native.build(tier) == (first, False) and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
-    assert len({cpu_native.build_flags(t) for t in TIERS}) == len(TIERS)
+    assert native_build.build(tier) == (first, False) and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert len({native_build.build_flags(t) for t in TIERS}) == len(TIERS)
     with pytest.raises(FileNotFoundError):
-        cpu_native.build(tier, compiler=str(tmp_path / "no-such-cc"))
+        native_build.build(tier, compiler=str(tmp_path / "no-such-cc"))
 
 
 def test_small_rows_prefetch_is_built_in_on_intel_only():
     # Measured: prefetching each weight stream 1 KB ahead helps on an Intel Xeon, not on Zen 3.
     tier = cpu_features.PORTABLE
-    flags = {vendor: cpu_native.build_flags(tier, cpu_features.CpuFeatures(
+    flags = {vendor: native_build.build_flags(tier, cpu_features.CpuFeatures(
         machine="x86_64", model_name="test", flags=frozenset({"avx2", "fma", "f16c"}), vendor=vendor))
         for vendor in ("GenuineIntel", "AuthenticAMD", "")}
     assert "-DVB_F32_PREFETCH=1024" in flags["GenuineIntel"]
