@@ -41,6 +41,9 @@ class CpuTier:
     half_dtype: torch.dtype             # how an fp32 model (dtype auto) stores weights and KV cache, widened in registers
     bf16_compute: bool                  # bf16 dot products in hardware: bf16 is the fast model dtype
     description: str
+    # Q8_0 layers (--quantization q8_0) run their 5+-row GEMMs in integers (cpu_gemm_q8.c) rather than
+    # oneDNN over the dequantized fp32 weights: where measured faster (kernels/cpu_q8_0_linear.py)
+    q8_0_integer_gemm: bool = False
 
     def runs_on(self, features: "CpuFeatures") -> bool:
         return self.required_flags <= features.flags
@@ -61,6 +64,7 @@ AVX2 = CpuTier(
     half_dtype=torch.float16,
     bf16_compute=False,
     description="AVX2 + FMA + F16C: fp32 arithmetic, fp16-stored weights widened in registers",
+    q8_0_integer_gemm=True,
 )
 PORTABLE = CpuTier(
     name="portable",

@@ -209,8 +209,8 @@ def describe(model: nn.Module) -> str | None:
     """The GEMM library of `model`'s packed linears ("zentorch 2.13.0.2", "onednn"), None if none is packed."""
     for module in model.modules():
         if isinstance(module, PackedLinear):
-            if module.backend.name != "zentorch":
-                return module.backend.name
+            if module.gemm_name != "zentorch":
+                return module.gemm_name
             from importlib.metadata import PackageNotFoundError, version
             try:
                 return f"zentorch {version('zentorch')}"
@@ -275,6 +275,11 @@ class PackedLinear(nn.Module):
         self.register_buffer("small_weight", stored.contiguous() if self.native else None, persistent=False)
         if pack:
             self.compute_weight = None  # the packed copy serves; only PackedGateUp still slices it
+
+    @property
+    def gemm_name(self) -> str:
+        """The library its 5+-row GEMMs run in (`vbatch bench` prints it)."""
+        return self.backend.name
 
     def _quantizes(self) -> bool:
         """Whether `quantization` applies to this layer (else it keeps weight_dtype, logged). Where
@@ -366,7 +371,7 @@ def pack_gate_up(linear: nn.Linear, native=None, weight_dtype: torch.dtype | Non
     if not can_pack(linear.weight.dtype):
         return linear
     if linear.weight.dtype != torch.bfloat16:
-        return PackedLinear(linear, native=native, weight_dtype=weight_dtype, quantization=quantization)
+        return pack_linear(linear, native=native, weight_dtype=weight_dtype, quantization=quantization)
     return PackedGateUp(linear, native=native, weight_dtype=weight_dtype)
 
 
@@ -374,7 +379,13 @@ def pack_linear(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None
                 quantization: str | None = None) -> nn.Module:
     """The packed twin of `linear`, its weights stored in `weight_dtype` (default: its own) or as
     `quantization` ("q8_0", fp32 models), the small-rows kernel of `native` (NativeKernels) for 1-4
-    rows where it has one."""
+    rows where it has one. Q8_0 layers multiply 5+ rows in integers (kernels/cpu_q8_0_linear.py)
+    where `gemm_choice` says so."""
     if not can_pack(linear.weight.dtype):
         return linear
+    if quantization == q8_0.NAME and q8_0.can_quantize(linear.in_features):
+        from . import cpu_q8_0_linear
+        choice = cpu_q8_0_linear.gemm_choice(native)
+        if choice != "float":
+            return cpu_q8_0_linear.PackedQ8_0Linear(linear, native=native, vnni=choice == "integer-vnni")
     return PackedLinear(linear, native=native, weight_dtype=weight_dtype, quantization=quantization)

@@ -39,6 +39,10 @@ _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, mo
            2: "out of memory for scratch buffers"}
 
 
+_Q8_GEMM_ERRORS = {2: "input width not a multiple of 32", 3: "out of memory for the rounded rows",
+                   4: "AVX-VNNI asked for on a CPU without avx_vnni"}
+
+
 class VbLayer(ctypes.Structure):
     """cpu_decoder_layer.c's VbLayer: one decoder layer's weights (pointers) and sizes."""
 
@@ -68,7 +72,7 @@ class NativeKernels:
     build_seconds: float   # finding or compiling the library (compiling: a few seconds)
     compiled_now: bool     # False: an earlier build of the same sources, flags and compiler was reused
     loaded_at: float = field(default_factory=time.perf_counter, compare=False)  # perf_counter() once loaded
-    _small_linear: dict = field(default_factory=dict, repr=False, compare=False)  # probe results per dtype pair
+    _probes: dict = field(default_factory=dict, repr=False, compare=False)  # probe results (has_*), by key
 
     def _fn(self, name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
         return getattr(self.library, f"{name}_{entry_suffix(dtype, kv_dtype)}")
@@ -161,8 +165,43 @@ class NativeKernels:
     @property
     def has_gemm(self) -> bool:
         """Whether this build has the fp32 GEMM (cpu_gemm.c: AVX2 and FMA)."""
-        probe = torch.ones(1, 1)
-        return self.gemm(probe, probe, None, 1) is not None
+        if "gemm" not in self._probes:
+            probe = torch.ones(1, 1)
+            self._probes["gemm"] = self.gemm(probe, probe, None, 1) is not None
+        return self._probes["gemm"]
+
+    def gemm_q8_0(self, rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                  vnni: bool, num_threads: int) -> torch.Tensor | None:
+        """rows [M, K] fp32 (unit column stride) times Q8_0 weights packed by cpu_q8_0_linear.pack_panels
+        (int16 [panels x 17, K]; cpu_gemm_q8.c), plus bias [out] -> [M, out] fp32, in integer
+        arithmetic (rows rounded to int16, one scale per row); `vnni`: with AVX-VNNI (the CPU must
+        have avx_vnni). None: this build has no such GEMM (it needs AVX2 and FMA)."""
+        k = packed.shape[1]
+        assert rows.dtype == torch.float32 and packed.dtype == torch.int16 and packed.is_contiguous()
+        assert rows.shape[1] == k and packed.shape[0] * 16 == -(-out_features // 16) * 16 * 17
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        if bias is not None:
+            assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (out_features,)
+        out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+        rc = self._fn("vb_gemm_q8", torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                                    None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                                    out_features, rows.shape[0], out_features, k, int(vnni),
+                                                    num_threads)
+        if rc == 1:
+            return None
+        if rc != 0:
+            raise NativeKernelError(f"native Q8_0 GEMM: error {rc} ({_Q8_GEMM_ERRORS.get(rc, 'unknown')})")
+        return out
+
+    @property
+    def has_gemm_q8_0(self) -> bool:
+        """Whether this build has the integer Q8_0 GEMM (cpu_gemm_q8.c: AVX2 and FMA)."""
+        if "gemm_q8_0" not in self._probes:
+            probe = torch.zeros(1, q8_0.BLOCK)
+            self._probes["gemm_q8_0"] = self.gemm_q8_0(probe, torch.zeros(17, q8_0.BLOCK, dtype=torch.int16),
+                                                             None, 1, False, 1) is not None
+        return self._probes["gemm_q8_0"]
 
     def read_probe(self, buffer: torch.Tensor, streams: int, num_threads: int) -> int:
         """Read `buffer` (contiguous, a whole number of 8-byte words) once, each thread its share as
@@ -194,13 +233,13 @@ class NativeKernels:
         weights (default: the rows' dtype; int8: Q8_0 rows); bf16 rows need avx512_bf16, Q8_0 fp32 rows."""
         weight_dtype = weight_dtype or dtype
         key = (dtype, weight_dtype)
-        if key not in self._small_linear:
+        if key not in self._probes:
             probe = torch.zeros(1, q8_0.BLOCK, dtype=dtype)
             weights = (q8_0.quantize(torch.zeros(16, q8_0.BLOCK)) if weight_dtype == torch.int8
                        else torch.zeros(16, q8_0.BLOCK, dtype=weight_dtype))
-            self._small_linear[key] = (has_variant(dtype) and weight_dtype in WEIGHT_FORMAT
+            self._probes[key] = (has_variant(dtype) and weight_dtype in WEIGHT_FORMAT
                                        and self.linear_small(probe, weights, None, 1) is not None)
-        return self._small_linear[key]
+        return self._probes[key]
 
     def decoder_layer(self, layer: VbLayer, step: VbStep, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       hidden: torch.Tensor, residual: torch.Tensor, first_layer: bool, num_threads: int) -> None:
@@ -277,6 +316,7 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_read_probe": ([p, i64, i32, i32], ctypes.c_uint64),
         "vb_fma_probe": ([i64, f32, f32, i32], ctypes.c_float),
         "vb_gemm": ([p, i64, p, p, p, i64, i32, i32, i32, i32], ctypes.c_int),
+        "vb_gemm_q8": ([p, i64, p, p, p, i64, i32, i32, i32, i32, i32], ctypes.c_int),
         "vb_fma_width": ([], ctypes.c_int),
         "vb_vector_lanes": ([], ctypes.c_int),
     }

@@ -37,7 +37,7 @@ class NativeKernelError(RuntimeError):
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
            CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c", CSRC / "cpu_encoder_attention.c",
-           CSRC / "cpu_read_probe.c", CSRC / "cpu_fma_probe.c", CSRC / "cpu_gemm.c")
+           CSRC / "cpu_read_probe.c", CSRC / "cpu_fma_probe.c", CSRC / "cpu_gemm.c", CSRC / "cpu_gemm_q8.c")
 HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h", CSRC / "vb_attention.h",
            CSRC / "vb_attention_tiled.h", CSRC / "vb_attention_spans.h")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",

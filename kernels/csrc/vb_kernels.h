@@ -49,6 +49,12 @@ int VB_ACT(vb_linear_small)(const act_t *x, const void *w, int weight_format, co
 int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int m, int n, int k, int num_threads);
 
+/* cpu_gemm_q8.c: y[m, n] = x[m, k] (q * d)^T (+ b) over Q8_0 weights packed in int16 panels, in
+ * integer arithmetic (x rounded to int16 per row); vnni: AVX-VNNI's vpdpwssd. Returns 0; 1 in a
+ * build without AVX2 + FMA; 2 for k not a multiple of 32; 3 out of memory; 4 vnni on a CPU without it. */
+int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
+                       int64_t ldy, int m, int n, int k, int vnni, int num_threads);
+
 /* cpu_elementwise.c: one thread, rows [row_begin, row_end) */
 void VB_ACT(vb_rms_norm_rows)(const act_t *x, const act_t *residual, const act_t *weight, float eps, act_t *out,
                               act_t *new_residual, int64_t row_begin, int64_t row_end, int hidden);

@@ -1,0 +1,107 @@
+"""Q8_0 linear layers whose large-batch GEMMs run in integer arithmetic (kernels/csrc/cpu_gemm_q8.c).
+
+    gemm_choice(native) -> "integer-vnni" | "integer" | "float"   how this CPU's Q8_0 layers multiply 5+ rows
+    pack_panels(stored, in_features) -> int16 [panels * 17, in]    a Q8_0 weight in the kernel's layout
+    PackedQ8_0Linear(linear, native=, vnni=)                       nn.Linear's contract, Q8_0 weights
+
+A model loaded with `quantization="q8_0"` (kernels/q8_0.py) streams its Q8_0 bytes through the
+small-rows kernel for 1-4 rows either way. For more rows (prefill, large decode batches) it either
+multiplies its dequantized fp32 weights with oneDNN ("float", kernels/cpu_linear.py PackedLinear)
+or, here, multiplies the int8 weights by the rows rounded to int16 in int32 ("integer"), with
+AVX-VNNI's vpdpwssd where the CPU has avx_vnni ("integer-vnni"). The integer path adds one rounding,
+of each row to 1 / 65,534 of its largest magnitude (cpu_gemm_q8.c); its oracle is the same integer
+arithmetic written in torch (tests/test_cpu_gemm_q8.py), and F.linear on the dequantized weights
+within that rounding.
+
+NOTE: where it runs (CpuTier.q8_0_integer_gemm, VBATCH_Q8_0_GEMM=integer | integer-avx2 | float
+overrides). Measured on the Intel Xeon (session 15, 2 threads, SmolLM2's four layer shapes summed,
+bench/gemm_backends.py --q8-0) against oneDNN's fp32 GEMM over the dequantized weights:
+  - torch held to AVX2 (the avx2 tier's setting): integer 1.2-1.8x, integer-vnni 1.6-2.2x at
+    16-1,024 rows (oneDNN 156-240 GFLOP/s; integer 277-306, integer-vnni 339-421).
+  - not held (oneDNN on AVX-512): integer 0.74-1.16x, integer-vnni 1.0-1.4x; so the avx512-bf16
+    tier keeps "float" (its fast path is a bf16 model anyway).
+On Zen 3 the integer multipliers are pipes of their own beside the two FMA pipes (vpmaddwd on FP0
+and FP3), so the kernel's peak there is twice the fp32 FMA peak.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import cpu_features, q8_0
+from .cpu_linear import PackedLinear
+
+logger = logging.getLogger(__name__)
+
+GEMM_ENV = "VBATCH_Q8_0_GEMM"
+CHOICES = ("integer", "integer-avx2", "float")
+PANEL = 16  # outputs per panel (cpu_gemm_q8.c NR)
+
+
+def gemm_choice(native) -> str:
+    """How Q8_0 layers multiply 5+ rows with the native kernels `native` (cpu_native.NativeKernels or
+    None): "integer-vnni", "integer" (cpu_gemm_q8.c) or "float" (oneDNN over the dequantized weights).
+    VBATCH_Q8_0_GEMM overrides the tier's choice: integer (with VNNI where the CPU has it),
+    integer-avx2 (never VNNI) or float."""
+    wanted = os.environ.get(GEMM_ENV, "").strip().lower()
+    if wanted and wanted not in CHOICES:
+        logger.warning("%s=%s is not one of %s; using the default", GEMM_ENV, wanted, ", ".join(CHOICES))
+        wanted = ""
+    if native is None or wanted == "float" or not native.has_gemm_q8_0:
+        return "float"
+    if not wanted and not native.tier.q8_0_integer_gemm:
+        return "float"
+    return "integer-vnni" if wanted != "integer-avx2" and cpu_features.detect().has("avx_vnni") else "integer"
+
+
+def pack_panels(stored: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Q8_0 rows (kernels/q8_0.py, [out, row_bytes(in)] int8) -> cpu_gemm_q8.c's layout, int16
+    [panels * 17, in]: the outputs in panels of 16 (the last padded with zero weights and scales),
+    all panels' weights as [panels][in / 2][16][2], then the scales as fp32 [panels][in / 32][16]."""
+    q, d = q8_0.split(stored, in_features)                 # [N, K] int8, [N, K / 32] fp16
+    n, k = q.shape
+    panels = -(-n // PANEL)
+    weights = torch.zeros(panels * PANEL, k, dtype=torch.int16)
+    weights[:n] = q
+    scales = torch.zeros(panels * PANEL, k // q8_0.BLOCK, dtype=torch.float32)
+    scales[:n] = d
+    weights = weights.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3)            # [P, K / 2, 16, 2]
+    scales = scales.view(panels, PANEL, k // q8_0.BLOCK).permute(0, 2, 1).contiguous()  # [P, K / 32, 16]
+    return torch.cat([weights.reshape(-1), scales.view(torch.int16).reshape(-1)]).view(panels * 17, k)
+
+
+class PackedQ8_0Linear(PackedLinear):
+    """A Q8_0 `PackedLinear` whose 5+-row GEMMs are cpu_gemm_q8.c's (`vnni`: with AVX-VNNI); 1-4 rows
+    go through the small-rows kernel exactly as PackedLinear's. Needs whole 32-blocks of inputs
+    (q8_0.can_quantize) and native kernels with both the Q8_0 small-rows kernel and the GEMM."""
+
+    def __init__(self, linear: nn.Linear, *, native, vnni: bool) -> None:
+        super().__init__(linear, native=native, pack=False, quantization=q8_0.NAME)
+        assert self.quantization == q8_0.NAME and self.native is not None
+        self.compute_weight = None
+        self.vnni = vnni
+        self.register_buffer("packed_weight", pack_panels(self.small_weight, self.in_features), persistent=False)
+
+    @property
+    def gemm_name(self) -> str:
+        return "vbatch integer Q8_0" + (" (AVX-VNNI)" if self.vnni else " (AVX2)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = self._small(x)
+        if small is not None:
+            return small
+        rows = x.reshape(-1, self.in_features)
+        out = self.native.gemm_q8_0(rows, self.packed_weight, self.bias, self.out_features, self.vnni,
+                                    torch.get_num_threads())
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def linear_gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        return F.gelu(self(x), approximate=approximate)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"gemm={self.gemm_name}, weights=q8_0")

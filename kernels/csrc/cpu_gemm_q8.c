@@ -1,0 +1,261 @@
+/* GEMM over Q8_0 weights in integer arithmetic: y[M, N] = x[M, K] . (q * d)[N, K]^T (+ b), for the
+ * large-batch linears of a model loaded with `--quantization q8_0` where it beats oneDNN over the
+ * dequantized weights (kernels/cpu_q8_0_linear.py gemm_choice: the avx2 tier; measured there).
+ *
+ * Reference: tests/test_cpu_gemm_q8.py computes the same integers in torch (int64) and the block
+ * scales in float64, and F.linear on the dequantized weights for the end-to-end tolerance.
+ *
+ * The arithmetic. Each row of x is quantized once per call to int16 with one scale:
+ * s = max |x| / 32767, xq = rint(x * (32767 / max |x|)) (xq = 0 for a row of zeros). Per block of 32
+ * inputs the products xq * q are summed exactly in int32 (|sum| <= 32 x 32767 x 127 < 2^31), the
+ * block sum is converted to fp32 and multiplied by the block's weight scale d into an fp32
+ * accumulator, and the row's total is multiplied by s (and the bias added) at the end:
+ *     y[m, n] = s[m] * sum_b d[n, b] * sum_{k in b} xq[m, k] q[n, k]  (+ b[n]).
+ * The only rounding beyond fp32 accumulation is x's to 1 / 65,534 of its row's largest magnitude
+ * (llama.cpp rounds activations to int8 per block of 32 for its Q8_0 dot products: 1 / 254 of the
+ * block's).
+ *
+ * NOTE: why int16 activations and vpmaddwd, not int8 and vpmaddubsw. vpmaddwd multiplies 16 int16
+ * pairs and adds neighbours into 8 int32 lanes: 16 multiply-adds per instruction against an fp32
+ * FMA's 8, on the integer multipliers (Zen 3: two pipes beside the FMA pipes' two; Intel: the FMA
+ * ports). vpmaddubsw does 32 int8 products but saturates their pair sums at int16 (two 8-bit
+ * operands overflow it), needs vpmaddwd after it to widen, and so reaches the same 32 products per
+ * two multiplier instructions while forcing activations or weights to 7 bits. int16 activations
+ * cost nothing extra and keep 15 bits. Where the CPU has AVX-VNNI (Intel since Alder Lake and
+ * Sapphire Rapids), vpdpwssd does vpmaddwd and the add in one instruction (`vnni`, chosen at run time:
+ * the avx2 tier's build is for any AVX2 CPU).
+ *
+ * Packed layout (kernels/cpu_q8_0_linear.py pack_panels): the outputs in panels of NR = 16, the last
+ * one padded with zero weights and scales; panel p holds its weights as [K / 2][16][2] int16
+ * (for each pair of inputs, each output's two weights side by side: one vpmaddwd operand per 8
+ * outputs), all panels first, then the scales as fp32 [panels][K / 32][16].
+ * Blocking as cpu_gemm.c: threads take contiguous ranges of panels, K goes in near-equal blocks of
+ * at most KC (a multiple of 32), rows in blocks of MC; the micro tile is MR rows x 16 outputs.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vb_kernels.h"
+
+#define NR 16   /* outputs per panel */
+#define MR 6    /* rows per micro tile (block6) */
+#define KC 768  /* most k per block (a multiple of VB_Q8_BLOCK) */
+#define MC 96   /* rows per block */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* One row of x (k a multiple of 32) -> int16, returns its scale s (0 for a row of zeros). The
+ * conversion rounds to nearest even (MXCSR's default), as rintf and torch.round. */
+static float quantize_row(const float *x, int k, int16_t *xq) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < k; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    if (!(amax > 0.0f)) {
+        memset(xq, 0, (size_t)k * sizeof(int16_t));
+        return 0.0f;
+    }
+    const __m256 inv = _mm256_set1_ps(32767.0f / amax);
+    const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
+    for (int i = 0; i < k; i += 16) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv));
+        a = _mm256_max_epi32(_mm256_min_epi32(a, hi), lo);
+        b = _mm256_max_epi32(_mm256_min_epi32(b, hi), lo);
+        /* packs works within 128-bit lanes: [a0..3 b0..3 a4..7 b4..7] -> k order */
+        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+    }
+    return amax / 32767.0f;
+}
+
+/* The micro tile's inner loop for MR = 6 rows: one block of 32 inputs (16 pairs) into the 12 int32
+ * accumulators. Written in assembly because GCC, given the same loop in intrinsics, hoisted the
+ * multiplies of several rows ahead of their adds and spilled accumulators to the stack (objdump of
+ * the intrinsics version: 8-12 spills per block); here each row's two products go through one
+ * temporary register and the renamer overlaps them. 12 accumulators + 2 weight vectors + the
+ * broadcast + the product = all 16 ymm registers. */
+#define VB_Q8_ROW(xaddr, c0, c1)                                                  \
+    "vpbroadcastd vbq8_i * 4" xaddr ", %%ymm14\n\t"                              \
+    "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t"                                      \
+    "vpaddd %%ymm15, %" c0 ", %" c0 "\n\t"                                        \
+    "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t"                                      \
+    "vpaddd %%ymm15, %" c1 ", %" c1 "\n\t"
+/* The same with AVX-VNNI's vpdpwssd, multiply, add neighbours and accumulate in one instruction. */
+#define VB_Q8_ROW_VNNI(xaddr, c0, c1)                                             \
+    "vpbroadcastd vbq8_i * 4" xaddr ", %%ymm14\n\t"                              \
+    "%{vex%} vpdpwssd %%ymm12, %%ymm14, %" c0 "\n\t"                                \
+    "%{vex%} vpdpwssd %%ymm13, %%ymm14, %" c1 "\n\t"
+
+#define VB_Q8_BLOCK6(ROW)                                                                               \
+    __asm__(".set vbq8_i, 0\n\t"                                                                        \
+            ".rept 16\n\t"                                                                              \
+            "vmovdqu vbq8_i * 64(%[w]), %%ymm12\n\t"                                                    \
+            "vmovdqu vbq8_i * 64 + 32(%[w]), %%ymm13\n\t"                                               \
+            ROW("(%[x0])", "[c00]", "[c01]")                                                             \
+            ROW("(%[x0],%[ld],1)", "[c10]", "[c11]")                                                     \
+            ROW("(%[x0],%[ld],2)", "[c20]", "[c21]")                                                     \
+            ROW("(%[x3])", "[c30]", "[c31]")                                                             \
+            ROW("(%[x3],%[ld],1)", "[c40]", "[c41]")                                                     \
+            ROW("(%[x3],%[ld],2)", "[c50]", "[c51]")                                                     \
+            ".set vbq8_i, vbq8_i + 1\n\t"                                                               \
+            ".endr"                                                                                     \
+            : [c00] "+x"(c[0][0]), [c01] "+x"(c[0][1]), [c10] "+x"(c[1][0]), [c11] "+x"(c[1][1]),        \
+              [c20] "+x"(c[2][0]), [c21] "+x"(c[2][1]), [c30] "+x"(c[3][0]), [c31] "+x"(c[3][1]),        \
+              [c40] "+x"(c[4][0]), [c41] "+x"(c[4][1]), [c50] "+x"(c[5][0]), [c51] "+x"(c[5][1])         \
+            : [w] "r"(w), [x0] "r"(x), [x3] "r"(x3), [ld] "r"(ld)                                       \
+            : "xmm12", "xmm13", "xmm14", "xmm15", "memory")
+
+static inline __attribute__((always_inline)) void block6(const int16_t *x, int64_t ldq, const int16_t *w,
+                                                         __m256i c[6][2], int vnni) {
+    const int16_t *x3 = x + 3 * ldq;
+    const int64_t ld = ldq * (int64_t)sizeof(int16_t);
+    if (vnni)
+        VB_Q8_BLOCK6(VB_Q8_ROW_VNNI);
+    else
+        VB_Q8_BLOCK6(VB_Q8_ROW);
+}
+#undef VB_Q8_BLOCK6
+#undef VB_Q8_ROW_VNNI
+#undef VB_Q8_ROW
+
+/* y[0..mr, 0..nc) (+)= the k block [k0, k0 + kc) of one panel: w is the panel's pairs from k0 on
+ * ([kc / 2][16][2]), d its scales from block k0 / 32 on ([kc / 32][16]). `first`: start from zero, else
+ * from y; `last`: finish the rows (times s, plus the bias). nc < 16: only nc outputs are written. */
+static inline __attribute__((always_inline)) void tile(const int mr, int nc, int kc, const int16_t *xq,
+                                                       int64_t ldq, const int16_t *w, const float *d, float *y,
+                                                       int64_t ldy, const float *s, const float *bias, int first,
+                                                       int last, int vnni) {
+    __m256 c[MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    for (int b = 0; b < kc; b += VB_Q8_BLOCK) {
+        __m256i acc[MR][2];
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        if (mr == MR) {
+            block6(xq + b, ldq, w + (int64_t)b * NR, acc, vnni);
+        } else
+#pragma GCC unroll 4
+        for (int p = 0; p < VB_Q8_BLOCK / 2; ++p) {
+            const int16_t *wp = w + (int64_t)(b / 2 + p) * 2 * NR;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)wp);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + NR));
+#pragma GCC unroll 6
+            for (int i = 0; i < mr; ++i) {
+                int32_t pair;
+                memcpy(&pair, xq + i * ldq + b + 2 * p, sizeof pair);
+                const __m256i a = _mm256_set1_epi32(pair);
+                acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(a, w0));
+                acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(a, w1));
+            }
+        }
+        const __m256 d0 = _mm256_loadu_ps(d + (b / VB_Q8_BLOCK) * NR);
+        const __m256 d1 = _mm256_loadu_ps(d + (b / VB_Q8_BLOCK) * NR + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; ++i) {
+            c[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][0]), d0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1]), d1, c[i][1]);
+        }
+    }
+    if (nc == NR) {
+        const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; ++i) {
+            float *yi = y + i * ldy;
+            __m256 v0 = c[i][0], v1 = c[i][1];
+            if (!first) v0 = _mm256_add_ps(_mm256_loadu_ps(yi), v0), v1 = _mm256_add_ps(_mm256_loadu_ps(yi + 8), v1);
+            if (last) {
+                const __m256 si = _mm256_set1_ps(s[i]);
+                v0 = _mm256_fmadd_ps(v0, si, b0), v1 = _mm256_fmadd_ps(v1, si, b1);
+            }
+            _mm256_storeu_ps(yi, v0), _mm256_storeu_ps(yi + 8, v1);
+        }
+        return;
+    }
+    for (int i = 0; i < mr; ++i) {  /* the last panel's nc < 16 outputs */
+        float out[NR];
+        _mm256_storeu_ps(out, c[i][0]);
+        _mm256_storeu_ps(out + 8, c[i][1]);
+        float *yi = y + i * ldy;
+        for (int j = 0; j < nc; ++j) {
+            float v = first ? out[j] : yi[j] + out[j];
+            if (last) v = fmaf(v, s[i], bias ? bias[j] : 0.0f);
+            yi[j] = v;
+        }
+    }
+}
+
+static void panel_rows(int nc, int r0, int r1, int k0, int kc, int last, int vnni, const int16_t *xq, int64_t ldq,
+                       const int16_t *w, const float *d, float *y, int64_t ldy, const float *s, const float *bias) {
+    const int first = k0 == 0;
+    int i = r0;
+    for (; i + MR <= r1; i += MR)
+        tile(MR, nc, kc, xq + i * ldq + k0, ldq, w, d, y + i * ldy, ldy, s + i, bias, first, last, vnni);
+    const int16_t *xi = xq + i * ldq + k0;
+    float *yi = y + i * ldy;
+    switch (r1 - i) {
+        case 5: tile(5, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
+        case 4: tile(4, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
+        case 3: tile(3, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
+        case 2: tile(2, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
+        case 1: tile(1, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
+        default: break;
+    }
+}
+
+int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
+                       int64_t ldy, int m, int n, int k, int vnni, int num_threads) {
+    if (k <= 0 || k % VB_Q8_BLOCK) return 2;
+    if (vnni && !__builtin_cpu_supports("avxvnni")) return 4;
+    const int panels = (n + NR - 1) / NR;
+    const float *scales = (const float *)(packed + (int64_t)panels * NR * k);
+    int16_t *xq = malloc((size_t)m * k * sizeof(int16_t));
+    float *s = malloc((size_t)(m > 0 ? m : 1) * sizeof(float));
+    if (!xq || !s) {
+        free(xq), free(s);
+        return 3;
+    }
+    const int blocks = k / VB_Q8_BLOCK, k_blocks = (k + KC - 1) / KC;
+    const int kb = (blocks + k_blocks - 1) / k_blocks * VB_Q8_BLOCK;  /* near-equal, whole 32-blocks */
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; ++r) s[r] = quantize_row(x + r * ldx, k, xq + (int64_t)r * k);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
+        for (int k0 = 0; k0 < k; k0 += kb) {
+            const int kc = k - k0 < kb ? k - k0 : kb, last = k0 + kc == k;
+            for (int r0 = 0; r0 < m; r0 += MC) {
+                const int r1 = m - r0 < MC ? m : r0 + MC;
+                for (int p = p0; p < p1; ++p) {
+                    const int nc = n - p * NR < NR ? n - p * NR : NR;
+                    const int16_t *w = packed + (int64_t)p * NR * k + (int64_t)k0 * NR;
+                    const float *d = scales + ((int64_t)p * blocks + k0 / VB_Q8_BLOCK) * NR;
+                    panel_rows(nc, r0, r1, k0, kc, last, vnni, xq, k, w, d, y + p * NR, ldy, s,
+                               bias ? bias + p * NR : NULL);
+                }
+            }
+        }
+    }
+    free(xq), free(s);
+    return 0;
+}
+
+#else
+
+int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
+                       int64_t ldy, int m, int n, int k, int vnni, int num_threads) {
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)vnni;
+    (void)num_threads;
+    return 1;
+}
+
+#endif

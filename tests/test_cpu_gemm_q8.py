@@ -1,0 +1,168 @@
+"""The integer Q8_0 GEMM (kernels/csrc/cpu_gemm_q8.c, kernels/cpu_q8_0_linear.py) on every native build
+of this CPU that has it (AVX2 + FMA), with and without AVX-VNNI where the CPU has avx_vnni.
+
+Oracles: the same arithmetic written in torch (rows rounded to int16 with one scale each, int64 block
+sums of 32 products, block scales and the row scale in float64), exact integers where every value is
+exactly representable, and F.linear on the dequantized weights within the rows' rounding. The shapes
+cover each edge of the blocking: rows not a multiple of the 6-row tile (1-5 left over) or of the
+96-row block, outputs not a multiple of the 16-output panel (a padded last panel), K above the
+768 block (near-equal blocks of whole 32s), rows apart in memory (a view), 1-3 threads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vbatch.kernels import cpu_features, cpu_linear, cpu_q8_0_linear, q8_0
+from vbatch.kernels.native_build import NativeKernelError
+
+SHAPES = [  # (rows, outputs, K)
+    (1, 1, 32), (5, 17, 64), (6, 16, 32), (7, 33, 96), (13, 200, 576), (97, 49, 1536), (100, 960, 576),
+    (191, 40, 800), (12, 15, 832), (0, 16, 32)]
+VNNI = [False, True] if cpu_features.detect().has("avx_vnni") else [False]
+
+
+def _gemm(native):
+    if not native.has_gemm_q8_0:
+        pytest.skip(f"the {native.tier.name} build has no integer Q8_0 GEMM (cpu_gemm_q8.c needs AVX2 and FMA)")
+    return native.gemm_q8_0
+
+
+def reference(x: torch.Tensor, stored: torch.Tensor, k: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """cpu_gemm_q8.c's arithmetic in torch: float64 [M, N]."""
+    amax = x.abs().amax(dim=1, keepdim=True)                                 # [M, 1] fp32
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    inv = torch.tensor(32767.0, dtype=torch.float32) / safe                  # fp32, as the kernel
+    xq = torch.where(amax > 0, torch.round(x * inv), torch.zeros_like(x)).clamp(-32767, 32767).to(torch.int64)
+    s = torch.where(amax > 0, amax / 32767.0, torch.zeros_like(amax)).double()
+    q, d = q8_0.split(stored, k)
+    m, n, blocks = x.shape[0], q.shape[0], k // q8_0.BLOCK
+    sums = (xq.view(m, 1, blocks, q8_0.BLOCK) * q.to(torch.int64).view(1, n, blocks, q8_0.BLOCK)).sum(-1)
+    y = s * (sums.double() * d.double().view(1, n, blocks)).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+def test_pack_panels_is_the_documented_layout():
+    n, k = 37, 64                                     # two whole panels and a padded third
+    w = torch.randn(n, k)
+    stored = q8_0.quantize(w)
+    q, d = q8_0.split(stored, k)
+    packed = cpu_q8_0_linear.pack_panels(stored, k)
+    assert packed.dtype == torch.int16 and packed.shape == (3 * 17, k)
+    flat = packed.reshape(-1)
+    for p in range(3):
+        for pair in range(k // 2):
+            for j in range(16):
+                for t in range(2):
+                    want = q[16 * p + j, 2 * pair + t] if 16 * p + j < n else 0
+                    assert flat[p * 16 * k + pair * 32 + j * 2 + t] == want
+    scales = flat[3 * 16 * k:].view(torch.float32)
+    for p in range(3):
+        for b in range(k // 32):
+            for j in range(16):
+                want = d[16 * p + j, b].float() if 16 * p + j < n else 0.0
+                assert scales[(p * (k // 32) + b) * 16 + j] == want
+
+
+@pytest.mark.parametrize("vnni", VNNI, ids=["avx2", "vnni"][:len(VNNI)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_q8_0_gemm_matches_its_integer_arithmetic(native, shape, threads, vnni):
+    gemm = _gemm(native)
+    m, n, k = shape
+    g = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+    stored = q8_0.quantize(torch.randn(n, k, generator=g) * 0.05)
+    bias = torch.randn(n, generator=g)
+    wide = torch.randn(m, k + 3, generator=g)
+    x = wide[:, 1:k + 1]                              # rows k + 3 floats apart
+    packed = cpu_q8_0_linear.pack_panels(stored, k)
+    for b in (None, bias):
+        got = gemm(x, packed, b, n, vnni, threads)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        if m:
+            want = reference(x, stored, k, b)
+            # fp32 accumulation of k / 32 block terms, each converted from an exact int32
+            scale = reference(x.abs(), q8_0.quantize(q8_0.dequantize(stored, k).abs()), k, None).max().item()
+            assert (got.double() - want).abs().max().item() <= 1e-6 * scale + 1e-6
+            # and the product it stands for, within the rows' rounding to int16
+            exact = F.linear(x.double(), q8_0.dequantize(stored, k).double(), None if b is None else b.double())
+            bound = (x.abs().amax(dim=1, keepdim=True).double() / 65534) * q8_0.dequantize(stored, k).abs().sum(1).double()
+            assert ((got.double() - exact).abs() <= bound + 1e-5 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("vnni", VNNI, ids=["avx2", "vnni"][:len(VNNI)])
+def test_q8_0_gemm_is_exact_on_exact_integers(native, vnni):
+    """Weights of whole numbers with block scale 1 (each block's largest |q| 127) and rows whose
+    largest magnitude is 32,767: every value, product and sum is an exact integer in fp32, so any
+    slip of the layout (a panel, a pair, a block, a tail row) shows as a wrong integer."""
+    gemm = _gemm(native)
+    m, n, k = 13, 37, 832
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (n, k), generator=g).float()
+    q.view(n, k // 32, 32)[:, :, 0] = 127.0                                 # d = 127 / 127 = 1 per block
+    stored = q8_0.quantize(q)
+    assert torch.equal(q8_0.dequantize(stored, k), q)
+    x = torch.randint(-3, 4, (m, k), generator=g).float()
+    x[:, 0] = 32767.0                                                         # s = 1: rows kept as they are
+    got = gemm(x, cpu_q8_0_linear.pack_panels(stored, k), None, n, vnni, 2)
+    assert torch.equal(got.double(), (x.double() @ q.double().t()))
+
+
+def test_q8_0_gemm_rows_of_zeros_and_errors(native):
+    gemm = _gemm(native)
+    stored = q8_0.quantize(torch.randn(20, 64))
+    packed = cpu_q8_0_linear.pack_panels(stored, 64)
+    bias = torch.randn(20)
+    x = torch.zeros(7, 64)
+    x[3] = torch.randn(64)
+    got = gemm(x, packed, bias, 20, False, 2)
+    assert torch.equal(got[0], bias) and torch.equal(got[6], bias)          # a row of zeros: the bias alone
+    assert torch.allclose(got[3].double(), reference(x, stored, 64, bias)[3], atol=1e-5)
+    with pytest.raises(NativeKernelError, match="multiple of 32"):       # the layout's contract, checked in C
+        gemm(torch.zeros(7, 48), torch.zeros(34, 48, dtype=torch.int16), None, 20, False, 1)
+    if not cpu_features.detect().has("avx_vnni"):
+        with pytest.raises(NativeKernelError, match="avx_vnni"):
+            gemm(x, packed, None, 20, True, 1)
+
+
+def test_packed_q8_0_linear_takes_the_small_rows_kernel_then_the_integer_gemm(native):
+    """The layer as the model runs it: 1-4 rows exactly PackedLinear's Q8_0 small-rows result, 5+
+    rows the integer GEMM (the rows' rounding apart, the same function)."""
+    _gemm(native)
+    if not native.has_small_linear(torch.float32, torch.int8):
+        pytest.skip(f"the {native.tier.name} build has no Q8_0 small-rows kernel")
+    lin = torch.nn.Linear(320, 70)
+    plain = cpu_linear.PackedLinear(lin, native=native, quantization="q8_0")
+    layer = cpu_q8_0_linear.PackedQ8_0Linear(lin, native=native, vnni=False)
+    small = torch.randn(4, 320)
+    assert torch.equal(layer(small), plain(small))
+    x = torch.randn(2, 9, 320)
+    stored = q8_0.quantize(lin.weight)
+    want = reference(x.reshape(-1, 320), stored, 320, lin.bias.detach()).view(2, 9, 70)
+    assert (layer(x).double() - want).abs().max().item() <= 1e-5
+    assert (layer(x) - plain(x)).abs().max().item() <= 1e-3                 # the fp32 GEMM on q * d
+    assert "vbatch integer Q8_0" in repr(layer) and layer.gemm_name.startswith("vbatch integer Q8_0")
+
+
+def test_gemm_choice_follows_the_tier_and_the_override(native, monkeypatch):
+    _gemm(native)
+    vnni = cpu_features.detect().has("avx_vnni")
+    monkeypatch.delenv(cpu_q8_0_linear.GEMM_ENV, raising=False)
+    default = cpu_q8_0_linear.gemm_choice(native)
+    if native.tier.q8_0_integer_gemm:
+        assert default == ("integer-vnni" if vnni else "integer")
+    else:
+        assert default == "float"
+    for value, want in (("float", "float"), ("integer-avx2", "integer"),
+                        ("integer", "integer-vnni" if vnni else "integer"), ("bogus", default)):
+        monkeypatch.setenv(cpu_q8_0_linear.GEMM_ENV, value)
+        assert cpu_q8_0_linear.gemm_choice(native) == want
+    assert cpu_q8_0_linear.gemm_choice(None) == "float"
+    monkeypatch.setenv(cpu_q8_0_linear.GEMM_ENV, "integer")
+    lin = torch.nn.Linear(64, 24)
+    assert isinstance(cpu_linear.pack_linear(lin, native=native, quantization="q8_0"), cpu_q8_0_linear.PackedQ8_0Linear)
+    odd = torch.nn.Linear(48, 24)                     # not whole 32-blocks: keeps its fp32 weights
+    assert type(cpu_linear.pack_linear(odd, native=native, quantization="q8_0")) is cpu_linear.PackedLinear
+    monkeypatch.setenv(cpu_q8_0_linear.GEMM_ENV, "float")
+    assert type(cpu_linear.pack_linear(lin, native=native, quantization="q8_0")) is cpu_linear.PackedLinear
