@@ -43,7 +43,8 @@ NOTE: Q8_0 weights (`quantization="q8_0"`, an fp32 model, explicit opt-in): the 
 further. The weight is quantized once (kernels/q8_0.py: int8 and an fp16 scale per 32); the
 small-rows kernel streams those bytes (53% of fp16's), the packed GEMM holds their dequantized fp32
 values, so every batch size computes with the same weights q * d. A linear whose input width is not
-a whole number of 32-blocks keeps `weight_dtype` (logged).
+a whole number of 32-blocks keeps `weight_dtype` (logged). On the avx2 tier the 5+-row GEMMs run
+in integers instead (kernels/cpu_q8_0_linear.py: the same q * d, the rows rounded to int16).
 """
 from __future__ import annotations
 

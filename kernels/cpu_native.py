@@ -40,7 +40,7 @@ _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, mo
 
 
 _Q8_GEMM_ERRORS = {2: "input width not a multiple of 32", 3: "out of memory for the rounded rows",
-                   4: "AVX-VNNI asked for on a CPU without avx_vnni"}
+                   4: "AVX-VNNI asked for on a CPU without avx_vnni, or a build whose assembler lacked it"}
 
 
 class VbLayer(ctypes.Structure):
@@ -202,6 +202,21 @@ class NativeKernels:
             self._probes["gemm_q8_0"] = self.gemm_q8_0(probe, torch.zeros(17, q8_0.BLOCK, dtype=torch.int16),
                                                              None, 1, False, 1) is not None
         return self._probes["gemm_q8_0"]
+
+    @property
+    def has_gemm_q8_0_vnni(self) -> bool:
+        """Whether the integer Q8_0 GEMM can use AVX-VNNI here: the CPU has avx_vnni and the build's
+        assembler knew it (kernels/native_build.py toolchain_defines)."""
+        if "gemm_q8_0_vnni" not in self._probes:
+            ok = self.has_gemm_q8_0
+            if ok:
+                try:
+                    self.gemm_q8_0(torch.zeros(1, q8_0.BLOCK), torch.zeros(17, q8_0.BLOCK, dtype=torch.int16), None, 1,
+                                   True, 1)
+                except NativeKernelError:
+                    ok = False
+            self._probes["gemm_q8_0_vnni"] = ok
+        return self._probes["gemm_q8_0_vnni"]
 
     def read_probe(self, buffer: torch.Tensor, streams: int, num_threads: int) -> int:
         """Read `buffer` (contiguous, a whole number of 8-byte words) once, each thread its share as

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_features, q8_0
+from . import q8_0
 from .cpu_linear import PackedLinear
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def gemm_choice(native) -> str:
         return "float"
     if not wanted and not native.tier.q8_0_integer_gemm:
         return "float"
-    return "integer-vnni" if wanted != "integer-avx2" and cpu_features.detect().has("avx_vnni") else "integer"
+    return "integer-vnni" if wanted != "integer-avx2" and native.has_gemm_q8_0_vnni else "integer"
 
 
 def pack_panels(stored: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ every tier the machine can run. The bindings are kernels/cpu_native.py.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -80,6 +81,24 @@ def build_flags(tier: CpuTier, cpu: CpuFeatures | None = None) -> tuple[str, ...
     return (*FLAGS, *tier.compile_flags, *((f"-DVB_F32_PREFETCH={prefetch}",) if prefetch else ()))
 
 
+_AVXVNNI_PROBE = 'void f(void) { __asm__ volatile("%{vex%} vpdpwssd %%ymm0, %%ymm1, %%ymm2" ::: "xmm2"); }\n'
+
+
+@functools.cache
+def toolchain_defines(cc: str, tier: CpuTier) -> tuple[str, ...]:
+    """-D flags for what `cc`'s assembler cannot do for `tier`: VB_NO_AVXVNNI_ASM where it does not
+    know AVX-VNNI's `{vex} vpdpwssd` (binutils before 2.36), so cpu_gemm_q8.c leaves that path out
+    rather than the whole build failing."""
+    if "-mavx2" not in tier.compile_flags and "-march=native" not in tier.compile_flags:
+        return ()
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "probe.c"
+        source.write_text(_AVXVNNI_PROBE)
+        proc = subprocess.run([cc, *tier.compile_flags, "-c", str(source), "-o", str(Path(tmp) / "probe.o")],
+                              capture_output=True, text=True)
+    return () if proc.returncode == 0 else ("-DVB_NO_AVXVNNI_ASM",)
+
+
 def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
     """Compile the C sources for `tier` (or reuse an earlier build): (the shared library's path, True
     when it was compiled now rather than reused from the cache)."""
@@ -87,7 +106,7 @@ def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
     if not cc:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = build_flags(tier)
+    flags = (*build_flags(tier), *toolchain_defines(cc, tier))
     texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_flags(), tier.name]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "libvbatch_cpu.so"

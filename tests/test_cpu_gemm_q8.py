@@ -10,6 +10,8 @@ cover each edge of the blocking: rows not a multiple of the 6-row tile (1-5 left
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,9 +25,11 @@ SHAPES = [  # (rows, outputs, K)
 VNNI = [False, True] if cpu_features.detect().has("avx_vnni") else [False]
 
 
-def _gemm(native):
+def _gemm(native, vnni: bool = False):
     if not native.has_gemm_q8_0:
         pytest.skip(f"the {native.tier.name} build has no integer Q8_0 GEMM (cpu_gemm_q8.c needs AVX2 and FMA)")
+    if vnni and not native.has_gemm_q8_0_vnni:
+        pytest.skip(f"the {native.tier.name} build has no AVX-VNNI path (its assembler predates binutils 2.36)")
     return native.gemm_q8_0
 
 
@@ -69,7 +73,7 @@ def test_pack_panels_is_the_documented_layout():
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
 def test_q8_0_gemm_matches_its_integer_arithmetic(native, shape, threads, vnni):
-    gemm = _gemm(native)
+    gemm = _gemm(native, vnni)
     m, n, k = shape
     g = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
     stored = q8_0.quantize(torch.randn(n, k, generator=g) * 0.05)
@@ -96,7 +100,7 @@ def test_q8_0_gemm_is_exact_on_exact_integers(native, vnni):
     """Weights of whole numbers with block scale 1 (each block's largest |q| 127) and rows whose
     largest magnitude is 32,767: every value, product and sum is an exact integer in fp32, so any
     slip of the layout (a panel, a pair, a block, a tail row) shows as a wrong integer."""
-    gemm = _gemm(native)
+    gemm = _gemm(native, vnni)
     m, n, k = 13, 37, 832
     g = torch.Generator().manual_seed(5)
     q = torch.randint(-127, 128, (n, k), generator=g).float()
@@ -121,7 +125,9 @@ def test_q8_0_gemm_rows_of_zeros_and_errors(native):
     assert torch.allclose(got[3].double(), reference(x, stored, 64, bias)[3], atol=1e-5)
     with pytest.raises(NativeKernelError, match="multiple of 32"):       # the layout's contract, checked in C
         gemm(torch.zeros(7, 48), torch.zeros(34, 48, dtype=torch.int16), None, 20, False, 1)
-    if not cpu_features.detect().has("avx_vnni"):
+    if native.has_gemm_q8_0_vnni:                  # the kernel's CPUID check agrees with /proc/cpuinfo
+        assert cpu_features.detect().has("avx_vnni")
+    if not native.has_gemm_q8_0_vnni:
         with pytest.raises(NativeKernelError, match="avx_vnni"):
             gemm(x, packed, None, 20, True, 1)
 
@@ -147,7 +153,7 @@ def test_packed_q8_0_linear_takes_the_small_rows_kernel_then_the_integer_gemm(na
 
 def test_gemm_choice_follows_the_tier_and_the_override(native, monkeypatch):
     _gemm(native)
-    vnni = cpu_features.detect().has("avx_vnni")
+    vnni = native.has_gemm_q8_0_vnni
     monkeypatch.delenv(cpu_q8_0_linear.GEMM_ENV, raising=False)
     default = cpu_q8_0_linear.gemm_choice(native)
     if native.tier.q8_0_integer_gemm:
@@ -166,3 +172,29 @@ def test_gemm_choice_follows_the_tier_and_the_override(native, monkeypatch):
     assert type(cpu_linear.pack_linear(odd, native=native, quantization="q8_0")) is cpu_linear.PackedLinear
     monkeypatch.setenv(cpu_q8_0_linear.GEMM_ENV, "float")
     assert type(cpu_linear.pack_linear(lin, native=native, quantization="q8_0")) is cpu_linear.PackedLinear
+
+
+def test_a_build_whose_assembler_lacks_avx_vnni_keeps_the_avx2_path(monkeypatch, tmp_path):
+    """binutils before 2.36 cannot assemble `{vex} vpdpwssd`: native_build then defines
+    VB_NO_AVXVNNI_ASM and the library still builds, with the integer GEMM but no VNNI path."""
+    from vbatch.kernels import cpu_native, native_build
+    tier = cpu_features.AVX2
+    if not tier.runs_on(cpu_features.detect()):
+        pytest.skip("this CPU cannot run the avx2 tier")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("VBATCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "_AVXVNNI_PROBE", "void f(void) { __asm__ volatile(\"vbq8_no_such_op\"); }\n")
+    native_build.toolchain_defines.cache_clear()
+    try:
+        assert native_build.toolchain_defines(cc, tier) == ("-DVB_NO_AVXVNNI_ASM",)
+        path, compiled_now = native_build.build(tier, compiler=cc)
+        kernels = cpu_native._bind(path, tier, 0.0, compiled_now)
+        assert kernels.has_gemm_q8_0 and not kernels.has_gemm_q8_0_vnni
+        stored = q8_0.quantize(torch.randn(20, 64))
+        x = torch.randn(9, 64)
+        got = kernels.gemm_q8_0(x, cpu_q8_0_linear.pack_panels(stored, 64), None, 20, False, 2)
+        assert torch.allclose(got.double(), reference(x, stored, 64, None), atol=1e-5)
+    finally:
+        native_build.toolchain_defines.cache_clear()

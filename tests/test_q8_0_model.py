@@ -4,8 +4,11 @@ Oracles:
   - exact: transformers' own model with every linear weight replaced by its Q8_0-dequantized values
     (the embedding untouched, the tied head given its own dequantized copy, as the engine does):
     the engine computes in fp32 with exactly those weights at every batch size (the small-rows
-    kernel widens q * d, the packed GEMM holds it), so greedy tokens must be identical, as they are
-    for fp32 weights (test_engine_equality.py);
+    kernel widens q * d, the packed GEMM holds it; VBATCH_Q8_0_GEMM=float pins that GEMM), so greedy
+    tokens must be identical, as they are for fp32 weights (test_engine_equality.py);
+  - the integer GEMM (kernels/cpu_q8_0_linear.py, the avx2 tier's default, forced here on any CPU
+    whose build has it): the float path's greedy tokens except at near-ties, since it rounds each
+    GEMM's rows to int16;
   - the accuracy cost, reported: greedy agreement with the unquantized model (exact fp32 weights,
     and the fp16 weights dtype auto streams on an AVX2 CPU), with the contract measured when
     written (docs/performance.md "Q8_0 weights").

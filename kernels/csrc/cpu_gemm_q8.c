@@ -46,6 +46,7 @@
 #define MC 96   /* rows per block */
 
 #if defined(__AVX2__) && defined(__FMA__)
+#include <cpuid.h>
 #include <immintrin.h>
 
 /* One row of x (k a multiple of 32) -> int16, returns its scale s (0 for a row of zeros). The
@@ -116,10 +117,25 @@ static inline __attribute__((always_inline)) void block6(const int16_t *x, int64
                                                          __m256i c[6][2], int vnni) {
     const int16_t *x3 = x + 3 * ldq;
     const int64_t ld = ldq * (int64_t)sizeof(int16_t);
+#ifndef VB_NO_AVXVNNI_ASM
     if (vnni)
         VB_Q8_BLOCK6(VB_Q8_ROW_VNNI);
     else
+#endif
         VB_Q8_BLOCK6(VB_Q8_ROW);
+    (void)vnni;
+}
+
+/* AVX-VNNI: CPUID leaf 7, sub-leaf 1, EAX bit 4 (the build may lack it: an assembler older than
+ * binutils 2.36 does not know `{vex} vpdpwssd`, and kernels/native_build.py then defines
+ * VB_NO_AVXVNNI_ASM). */
+static int has_avxvnni(void) {
+#ifdef VB_NO_AVXVNNI_ASM
+    return 0;
+#else
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+#endif
 }
 #undef VB_Q8_BLOCK6
 #undef VB_Q8_ROW_VNNI
@@ -214,7 +230,7 @@ static void panel_rows(int nc, int r0, int r1, int k0, int kc, int last, int vnn
 int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
                        int64_t ldy, int m, int n, int k, int vnni, int num_threads) {
     if (k <= 0 || k % VB_Q8_BLOCK) return 2;
-    if (vnni && !__builtin_cpu_supports("avxvnni")) return 4;
+    if (vnni && !has_avxvnni()) return 4;
     const int panels = (n + NR - 1) / NR;
     const float *scales = (const float *)(packed + (int64_t)panels * NR * k);
     int16_t *xq = malloc((size_t)m * k * sizeof(int16_t));

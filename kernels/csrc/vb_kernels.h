@@ -51,7 +51,8 @@ int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const floa
 
 /* cpu_gemm_q8.c: y[m, n] = x[m, k] (q * d)^T (+ b) over Q8_0 weights packed in int16 panels, in
  * integer arithmetic (x rounded to int16 per row); vnni: AVX-VNNI's vpdpwssd. Returns 0; 1 in a
- * build without AVX2 + FMA; 2 for k not a multiple of 32; 3 out of memory; 4 vnni on a CPU without it. */
+ * build without AVX2 + FMA; 2 for k not a multiple of 32; 3 out of memory; 4 vnni on a CPU (or a
+ * build) without it. */
 int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
                        int64_t ldy, int m, int n, int k, int vnni, int num_threads);
 
