@@ -6,7 +6,8 @@ sums of 32 products, block scales and the row scale in float64), exact integers 
 exactly representable, and F.linear on the dequantized weights within the rows' rounding. The shapes
 cover each edge of the blocking: rows not a multiple of the 6-row tile (1-5 left over) or of the
 96-row block, outputs not a multiple of the 16-output panel (a padded last panel), K above the
-768 block (near-equal blocks of whole 32s), rows apart in memory (a view), 1-3 threads.
+k block sized to the L1 cache (544 on a 32 KiB L1, 832 on 48 KiB: near-equal blocks of whole 32s,
+1,888 in two unequal ones), rows apart in memory (a view), 1-3 threads.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from vbatch.kernels.native_build import NativeKernelError
 
 SHAPES = [  # (rows, outputs, K)
     (1, 1, 32), (5, 17, 64), (6, 16, 32), (7, 33, 96), (13, 200, 576), (97, 49, 1536), (100, 960, 576),
-    (191, 40, 800), (12, 15, 832), (0, 16, 32)]
+    (191, 40, 800), (12, 15, 832), (9, 20, 1888), (0, 16, 32)]
 VNNI = [False, True] if cpu_features.detect().has("avx_vnni") else [False]
 
 

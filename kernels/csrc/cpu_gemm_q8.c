@@ -30,19 +30,19 @@
  * (for each pair of inputs, each output's two weights side by side: one vpmaddwd operand per 8
  * outputs), all panels first, then the scales as fp32 [panels][K / 32][16].
  * Blocking as cpu_gemm.c: threads take contiguous ranges of panels, K goes in near-equal blocks of
- * at most KC (a multiple of 32), rows in blocks of MC; the micro tile is MR rows x 16 outputs.
+ * at most kc_max() (a multiple of 32), rows in blocks of MC; the micro tile is MR rows x 16 outputs.
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "vb_kernels.h"
 
 #define NR 16   /* outputs per panel */
 #define MR 6    /* rows per micro tile (block6) */
-#define KC 768  /* most k per block (a multiple of VB_Q8_BLOCK) */
 #define MC 96   /* rows per block */
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -227,6 +227,21 @@ static void panel_rows(int nc, int r0, int r1, int k0, int kc, int last, int vnn
     }
 }
 
+/* The most k per block: a panel's block (32 bytes per k) and the 6-row tile's rows (12 bytes per k)
+ * in three quarters of the L1 data cache, a multiple of 32. On the Intel Xeon (48 KiB L1) that is
+ * 832, and blocks of up to 768-1,024 ran 3-5% faster than 512 or 256 (bench/gemm_backends.py
+ * --q8-0); Zen 3's 32 KiB gives 544, so SmolLM2's K = 1,536 goes in 3 blocks there, 2 here. */
+static int kc_max(void) {
+    static int cached;
+    if (!cached) {
+        long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+        if (l1 < 16 * 1024 || l1 > 1024 * 1024) l1 = 32 * 1024;  /* unknown (0 / -1) or implausible */
+        int kc = (int)(l1 * 3 / 4 / 44) / VB_Q8_BLOCK * VB_Q8_BLOCK;
+        cached = kc < VB_Q8_BLOCK ? VB_Q8_BLOCK : kc;
+    }
+    return cached;
+}
+
 int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
                        int64_t ldy, int m, int n, int k, int vnni, int num_threads) {
     if (k <= 0 || k % VB_Q8_BLOCK) return 2;
@@ -239,7 +254,8 @@ int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const
         free(xq), free(s);
         return 3;
     }
-    const int blocks = k / VB_Q8_BLOCK, k_blocks = (k + KC - 1) / KC;
+    const int kc_most = kc_max();
+    const int blocks = k / VB_Q8_BLOCK, k_blocks = (k + kc_most - 1) / kc_most;
     const int kb = (blocks + k_blocks - 1) / k_blocks * VB_Q8_BLOCK;  /* near-equal, whole 32-blocks */
 #pragma omp parallel num_threads(num_threads)
     {
