@@ -18,13 +18,16 @@ import time
 from pathlib import Path
 
 # Per CPU kind, the speed issue's targets: (label, what, goal). what: a peer system (vbatch's output
-# tok/s over its best), "latency:<peer>" (batch-1 tok/s over the peer's), or a ceiling fraction.
+# tok/s over its best), "latency:<peer>" (batch-1 tok/s over the peer's), or a ceiling fraction; a
+# "@<system>" suffix compares another vbatch row (an opt-in such as vbatch-q8_0) instead of "vbatch".
 TARGETS = {
     "avx512-bf16": [("output tok/s, vbatch ÷ vLLM CPU", "vllm", 1.5),
                     ("output tok/s, vbatch ÷ transformers (its best batch)", "transformers", 5.0),
                     ("large-batch decode ÷ compute ceiling", "compute", 0.60),
                     ("batch-1 decode ÷ bandwidth ceiling", "bandwidth", 0.80)],
     "avx2": [("output tok/s, vbatch ÷ transformers (its best batch and dtype)", "transformers", 3.0),
+             ("output tok/s, vbatch --quantization q8_0 (optional int8 weights) ÷ transformers",
+              "transformers@vbatch-q8_0", 3.0),
              ("output tok/s, vbatch ÷ llama.cpp (its best batching)", "llamacpp", 1.5),
              ("output tok/s, vbatch ÷ vLLM CPU", "vllm", 1.5),
              ("batch-1 output tok/s, vbatch ÷ llama.cpp", "latency:llamacpp", 1.0),
@@ -162,9 +165,10 @@ def _target_lines(kind: str, rows: list[dict], fractions: dict) -> list[str]:
             peer = [r for r in rows if r["system"] == peer_name and r["latency_tok_s"]]
             value = (ours["latency_tok_s"] / peer[0]["latency_tok_s"]) if ours and ours["latency_tok_s"] and peer else None
             lines.append(_target(label, value, goal))
-        else:
-            peer = _best(rows, what)
-            lines.append(_target(label, vb["output_tok_s"] / peer["output_tok_s"] if vb and peer else None, goal))
+        else:  # PEER, or PEER@SYSTEM (another vbatch row than "vbatch")
+            peer_name, _, mine = what.partition("@")
+            ours, peer = (_best(rows, mine) if mine else vb), _best(rows, peer_name)
+            lines.append(_target(label, ours["output_tok_s"] / peer["output_tok_s"] if ours and peer else None, goal))
     return lines
 
 

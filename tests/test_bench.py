@@ -316,7 +316,7 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     vb["result"].update(dtype="float32", weight_dtype="float16", kv_cache_dtype="float16")
     vb["result"]["latency"]["output_tokens_per_s"] = 62.0
     records = [vb, _record("transformers", "32/float32", 0, 40.0), _record("transformers", "32/bfloat16", 0, 10.0),
-               _record("llamacpp", "1", 0, 43.0), _record("llamacpp", "32", 0, 80.0)]
+               _record("vbatch-q8_0", "256", 0, 110.0), _record("llamacpp", "1", 0, 43.0), _record("llamacpp", "32", 0, 80.0)]
     records[-2]["result"]["latency"]["output_tokens_per_s"] = 62.0
     records[-1]["result"]["latency"] = None
     text = report.write_report(records, ceilings, spec | {"cpu_kind": "avx2", "cpu_flags": "avx2 fma f16c, no avx512_bf16"},
@@ -326,6 +326,7 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     assert zen4_section in whole and text in whole and whole.index(zen4_section) < whole.index(text)
     assert "CPU flags that chose the path: avx2 fma f16c, no avx512_bf16" in text
     assert "(its best batch and dtype): **3.25x** (target ≥ 3.0x: met)" in text   # 130 / 40 (fp32, not bf16)
+    assert "q8_0 (optional int8 weights) ÷ transformers: **2.75x** (target ≥ 3.0x: not met)" in text  # 110 / 40
     assert "llama.cpp (its best batching): **1.62x** (target ≥ 1.5x: met)" in text  # 130 / 80
     assert "batch-1 output tok/s, vbatch ÷ llama.cpp: **1.00x**" in text            # 62 / 62
     assert "bandwidth ceiling (the bytes vbatch reads: its weight storage): **75%**" in text  # 60 / 80 (2-byte)
