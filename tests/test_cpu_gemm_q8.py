@@ -124,6 +124,10 @@ def test_q8_0_gemm_rows_of_zeros_and_errors(native):
     got = gemm(x, packed, bias, 20, False, 2)
     assert torch.equal(got[0], bias) and torch.equal(got[6], bias)          # a row of zeros: the bias alone
     assert torch.allclose(got[3].double(), reference(x, stored, 64, bias)[3], atol=1e-5)
+    x[1, 5], x[2, 63], x[4, 0] = float("nan"), float("inf"), -float("inf")   # not finite: NaN rows, as fp32's
+    got = gemm(x, packed, bias, 20, False, 2)
+    assert got[[1, 2, 4]].isnan().all() and torch.equal(got[0], bias)
+    assert torch.allclose(got[3].double(), reference(x, stored, 64, bias)[3], atol=1e-5)
     with pytest.raises(NativeKernelError, match="multiple of 32"):       # the layout's contract, checked in C
         gemm(torch.zeros(7, 48), torch.zeros(34, 48, dtype=torch.int16), None, 20, False, 1)
     if native.has_gemm_q8_0_vnni:                  # the kernel's CPUID check agrees with /proc/cpuinfo

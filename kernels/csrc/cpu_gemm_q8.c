@@ -32,6 +32,7 @@
  * Blocking as cpu_gemm.c: threads take contiguous ranges of panels, K goes in near-equal blocks of
  * at most kc_max() (a multiple of 32), rows in blocks of MC; the micro tile is MR rows x 16 outputs.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -49,19 +50,24 @@
 #include <cpuid.h>
 #include <immintrin.h>
 
-/* One row of x (k a multiple of 32) -> int16, returns its scale s (0 for a row of zeros). The
- * conversion rounds to nearest even (MXCSR's default), as rintf and torch.round. */
+/* One row of x (k a multiple of 32) -> int16, returns its scale s: 0 for a row of zeros, NaN for a
+ * row holding a NaN or an infinity (its outputs are then NaN, as an fp32 GEMM's would not be finite
+ * either). The conversion rounds to nearest even (MXCSR's default), as rintf and torch.round. */
 static float quantize_row(const float *x, int k, int16_t *xq) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < k; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int i = 0; i < k; i += 8) {
+        const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));   /* maxps drops a NaN in its first operand */
+        m = _mm256_max_ps(m, v);
+    }
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float amax = _mm_cvtss_f32(h);
-    if (!(amax > 0.0f)) {
+    if (!(amax > 0.0f) || amax > FLT_MAX || _mm256_movemask_ps(bad)) {
         memset(xq, 0, (size_t)k * sizeof(int16_t));
-        return 0.0f;
+        return amax == 0.0f && !_mm256_movemask_ps(bad) ? 0.0f : NAN;
     }
     const __m256 inv = _mm256_set1_ps(32767.0f / amax);
     const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
