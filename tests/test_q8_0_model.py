@@ -41,11 +41,12 @@ MIN_FIRST_TOKEN_SHARE = 0.9
 
 
 # The integer GEMM (kernels/cpu_q8_0_linear.py) rounds a GEMM's rows to int16 (1 / 65,534 of each
-# row's largest magnitude) where oneDNN multiplies them in fp32: measured when written (20 prompts, 32
-# greedy tokens, the Intel Xeon, AVX-VNNI and AVX2 alike) 19 of 20 identical to the float path, the
-# one departure at a float-path logit margin of 0.0007.
+# row's largest magnitude) where oneDNN multiplies them in fp32: measured when written (20 prompts x 16
+# greedy tokens, the Intel Xeon) 19 of 20 identical to the float path, the departure at a float-path
+# logit margin of 0.0007; with torch held to AVX2 (the avx2 tier's setting) 18 of 20, margins 0.0007
+# and 0.0034.
 INTEGER_TIE = 0.05
-MIN_INTEGER_IDENTICAL = 0.9
+MAX_INTEGER_DEPARTURES = 3   # of the 20 prompts
 
 
 def _q8_0_llm(path, gemm: str, **kw) -> LLM:
@@ -151,4 +152,4 @@ def test_q8_0_integer_gemm_departs_from_the_float_path_only_at_near_ties(smollm2
     print(f"q8_0 integer vs float GEMM: {len(prompts) - len(margins)} of {len(prompts)} identical, "
           f"departure margins {margins}")
     assert all(m <= INTEGER_TIE for m in margins)
-    assert len(margins) <= (1 - MIN_INTEGER_IDENTICAL) * len(prompts)
+    assert len(margins) <= MAX_INTEGER_DEPARTURES
