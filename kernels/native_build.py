@@ -106,12 +106,15 @@ def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
     if not cc:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = (*build_flags(tier), *toolchain_defines(cc, tier))
+    flags = build_flags(tier)
     texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_flags(), tier.name]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "libvbatch_cpu.so"
     if target.exists():
         return target, False
+    # probed only when compiling (58 ms a tier): what the assembler can do follows from the toolchain
+    # the key already names, but for a binutils upgraded under the same compiler
+    flags = (*flags, *toolchain_defines(cc, tier))
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         jobs = [([cc, *flags, *defines, f"-I{CSRC}", "-c", str(source), "-o", f"{tmp}/{source.stem}_{suffix}.o"],
