@@ -260,10 +260,11 @@ class PackedLinear(nn.Module):
         self.backend = backend or gemm_backend(dtype)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.quantization = quantization if quantization and self._quantizes() else None
-        if self.quantization:  # Q8_0 rows for the kernel; their dequantized values for the GEMM
+        if self.quantization:  # Q8_0 rows for the kernel; their dequantized values for the GEMM library
             self.weight_dtype = torch.int8
             stored = q8_0.quantize(linear.weight)                   # [out, in * 17 / 16] int8
-            self.compute_weight = q8_0.dequantize(stored, self.in_features).to(dtype)
+            # unpacked (cpu_q8_0_linear's integer GEMM packs the int8 rows itself): no fp32 copy
+            self.compute_weight = q8_0.dequantize(stored, self.in_features).to(dtype) if pack else None
         else:
             self.weight_dtype = weight_dtype or dtype
             stored = linear.weight.detach().to(self.weight_dtype)   # [out, in]: the layer's weights, rounded once

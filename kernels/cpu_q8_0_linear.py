@@ -82,7 +82,6 @@ class PackedQ8_0Linear(PackedLinear):
     def __init__(self, linear: nn.Linear, *, native, vnni: bool) -> None:
         super().__init__(linear, native=native, pack=False, quantization=q8_0.NAME)
         assert self.quantization == q8_0.NAME and self.native is not None
-        self.compute_weight = None
         self.vnni = vnni
         self.register_buffer("packed_weight", pack_panels(self.small_weight, self.in_features), persistent=False)
 
