@@ -29,7 +29,8 @@ choice measured by bench/gemm_backends.py on the model's shapes:
     alternating with oneDNN, two runs) it ran 1.13-1.2x oneDNN at 16 rows, 0.92-0.99x at 256 and
     0.87-0.99x at 1,024-2,048 (oneDNN 109-151 GFLOP/s there, the cores' multiply-add peak 176): the
     library is close to what a hand-written kernel gets, so it stays the choice.
-VBATCH_GEMM=onednn|zentorch|mkl|native overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out);
+VBATCH_GEMM=onednn|zentorch|mkl|native overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out; it
+is never loaded on a CPU that is not AMD's);
 `vbatch bench` prints the library in use.
 
 NOTE: half-precision weights. With `weight_dtype` below the model's dtype (an fp32 model on a CPU
@@ -120,7 +121,14 @@ MKL = GemmBackend(
 
 
 def _zentorch() -> GemmBackend | None:
+    """AMD's ZenDNN GEMMs where its wheel loads, on an AMD CPU only: on the Intel Xeon it ran 0.10-0.24x
+    oneDNN in bf16 and behind it in fp32 (the NOTE above), and it is not even imported there (its
+    libxsmm installs process-wide signal handlers: one deadlocked in free() while a glibc abort was
+    being reported, turning a crash into a hang)."""
     if os.environ.get("VBATCH_ZENTORCH", "1") == "0":
+        return None
+    if not cpu_features.detect().is_amd:
+        logger.debug("zentorch not used: this %s CPU is not AMD's", cpu_features.detect().vendor or "non-x86")
         return None
     try:
         import zentorch  # noqa: F401  (registers torch.ops.zentorch)
@@ -197,7 +205,10 @@ def gemm_backend(dtype: torch.dtype = torch.bfloat16) -> GemmBackend:
             logger.warning("VBATCH_GEMM=%s is not one of %s; using the default", wanted, ", ".join(BACKEND_NAMES))
         else:
             backend = backend_named(wanted)
-            if backend is not None and dtype not in backend.dtypes:
+            if backend is None:
+                logger.warning("VBATCH_GEMM=%s does not load on this machine (zentorch: an AMD CPU and the `zen` "
+                               "extra; native: the native kernels on AVX2); using the default", wanted)
+            elif dtype not in backend.dtypes:
                 logger.warning("VBATCH_GEMM=%s has no %s GEMM; using the default", wanted, dtype)
                 backend = None
     if backend is None:

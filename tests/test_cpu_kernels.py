@@ -27,7 +27,7 @@ needs_bf16 = pytest.mark.skipif(not cpu_linear.can_pack(torch.bfloat16),
 
 
 def _backend(name: str) -> cpu_linear.GemmBackend:
-    """oneDNN and MKL (torch's F.linear) always; zentorch where its wheel loads (the `zen` extra).
+    """oneDNN and MKL (torch's F.linear) always; zentorch on an AMD CPU where its wheel loads (the `zen` extra).
 
     NOTE: resolved inside the tests, not at collection: importing zentorch imports triton, and
     tests/test_triton_kernels.py must be the first to import triton (with TRITON_INTERPRET set)."""
@@ -35,6 +35,8 @@ def _backend(name: str) -> cpu_linear.GemmBackend:
         return cpu_linear.backend_named(name)
     backend = cpu_linear._zentorch()
     if backend is None:
+        if not cpu_features.detect().is_amd:
+            pytest.skip(f"zentorch is AMD's library, not loaded on this {cpu_features.detect().vendor} CPU")
         pytest.skip("zentorch is not installed (the `zen` extra) or does not fit this torch")
     return backend
 
@@ -125,6 +127,22 @@ def test_describe_names_the_gemm_library(backend, dtype):
 def test_zentorch_is_skipped_when_disabled(monkeypatch):
     monkeypatch.setenv("VBATCH_ZENTORCH", "0")
     assert cpu_linear._zentorch() is None
+
+
+def test_zentorch_is_not_loaded_on_a_cpu_that_is_not_amds(monkeypatch, caplog):
+    # kernels/cpu_linear.py _zentorch: AMD's library, slower than oneDNN on the Intel Xeon; there not even
+    # imported (asked for by name, a warning and the default)
+    intel = cpu_features.CpuFeatures("x86_64", "Intel Xeon", frozenset({"avx512_bf16", "amx_bf16"}), "GenuineIntel")
+    monkeypatch.setattr(cpu_features, "detect", lambda: intel)
+    assert cpu_linear._zentorch() is None
+    cpu_linear.gemm_backend.cache_clear()
+    monkeypatch.setenv("VBATCH_GEMM", "zentorch")
+    try:
+        with caplog.at_level("WARNING"):
+            assert cpu_linear.gemm_backend(torch.float32) is cpu_linear.ONEDNN
+        assert "VBATCH_GEMM=zentorch does not load on this machine" in caplog.text
+    finally:
+        cpu_linear.gemm_backend.cache_clear()
 
 
 def test_gemm_library_default_and_override(monkeypatch):
