@@ -10,6 +10,9 @@ that touch the KV cache also over an fp8 one, E4M3 or E5M2, under either activat
 the tier's target flags (kernels/cpu_features.py) and linked into
 one library in $VBATCH_CACHE/kernels/<hash of sources, flags, compiler, CPU flags>/, written to a
 temporary name and renamed, so concurrent processes never load a half-written file.
+$VBATCH_NATIVE_CFLAGS adds flags to the compile and the link (part of the cache key), for debugging
+builds: "-fsanitize=address -fno-omit-frame-pointer" with libasan preloaded finds a kernel's stray
+write at the store that makes it (docs/development.md).
 NOTE: the library is built on the machine that runs it (the cache key includes the host's CPU
 flags), never shipped; a lower tier's build runs on any CPU of a higher one, so the tests build
 every tier the machine can run. The bindings are kernels/cpu_native.py.
@@ -78,7 +81,12 @@ def _cache_dir() -> Path:
 def build_flags(tier: CpuTier, cpu: CpuFeatures | None = None) -> tuple[str, ...]:
     """The compiler flags of `tier`'s build on `cpu` (default: this machine's)."""
     prefetch = (cpu or detect()).stream_prefetch_bytes
-    return (*FLAGS, *tier.compile_flags, *((f"-DVB_F32_PREFETCH={prefetch}",) if prefetch else ()))
+    return (*FLAGS, *tier.compile_flags, *((f"-DVB_F32_PREFETCH={prefetch}",) if prefetch else ()),
+            *_extra_flags())
+
+
+def _extra_flags() -> tuple[str, ...]:
+    return tuple(os.environ.get("VBATCH_NATIVE_CFLAGS", "").split())
 
 
 _AVXVNNI_PROBE = 'void f(void) { __asm__ volatile("%{vex%} vpdpwssd %%ymm0, %%ymm1, %%ymm2" ::: "xmm2"); }\n'
@@ -131,7 +139,8 @@ def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
                     raise RuntimeError(f"{cc} failed to build {what} for the {tier.name} tier:\n{proc.stderr[-2000:]}")
         library = f"{tmp}/libvbatch_cpu.so"
         objects = [command[-1] for command, _ in jobs]
-        proc = subprocess.run([cc, "-shared", "-fopenmp", *objects, "-o", library], capture_output=True, text=True)
+        proc = subprocess.run([cc, "-shared", "-fopenmp", *_extra_flags(), *objects, "-o", library],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to link the native kernels:\n{proc.stderr[-2000:]}")
         os.replace(library, target)

@@ -1,7 +1,9 @@
 """Shared test set-up: one torch thread (REFERENCE 6), and the real default model resolved once."""
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 
 import pytest
 
@@ -9,6 +11,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The engine sets torch's thread count at start (engine/model_runner.py); tests run with one.
 os.environ.setdefault("VBATCH_NUM_THREADS", "1")
+
+
+# A test that runs longer than this is taken as hung: every thread's Python stack is written to stderr
+# and the run exits (status 1). The slowest test takes about a minute. NOTE: a C-level watchdog
+# (faulthandler), not pytest-timeout: a process stuck in native code holding the GIL (a deadlock in
+# free() inside a signal handler, seen once) never lets a Python timer thread run, and CI would
+# instead sit until its 90-minute limit with nothing printed.
+HANG_SECONDS = float(os.environ.get("VBATCH_TEST_HANG_SECONDS", "900"))
+_terminal = []   # a copy of the real stderr, taken while pytest's output capture is suspended
+
+
+def pytest_configure(config):
+    if HANG_SECONDS > 0:
+        _terminal.append(os.fdopen(os.dup(sys.__stderr__.fileno()), "w"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if HANG_SECONDS > 0 and _terminal:
+        faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=_terminal[0])
+    try:
+        yield
+    finally:
+        if HANG_SECONDS > 0 and _terminal:
+            faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -188,6 +188,14 @@ def test_build_is_cached_per_tier_and_a_missing_compiler_is_reported(tmp_path, m
         native_build.build(tier, compiler=str(tmp_path / "no-such-cc"))
 
 
+def test_extra_build_flags_come_from_the_environment(monkeypatch):
+    # VBATCH_NATIVE_CFLAGS (an ASan build, docs/development.md) joins the flags, so the cache key too
+    tier = cpu_features.PORTABLE
+    plain = native_build.build_flags(tier)
+    monkeypatch.setenv("VBATCH_NATIVE_CFLAGS", " -fsanitize=address  -g ")
+    assert native_build.build_flags(tier) == (*plain, "-fsanitize=address", "-g")
+
+
 def test_small_rows_prefetch_is_built_in_on_intel_only():
     # Measured: prefetching each weight stream 1 KB ahead helps on an Intel Xeon, not on Zen 3.
     tier = cpu_features.PORTABLE
