@@ -112,6 +112,26 @@ def prepare_attention(attn: AttentionMetadata) -> AttentionMetadata:
 _compiled = None
 
 
+def _inductor_options() -> dict:
+    """The vector width inductor generates for, named in its options: they are part of its on-disk
+    cache key, and the width it picks by itself is not.
+
+    NOTE: inductor's FX graph cache keys an entry without the CPU instruction set it was generated
+    for, so a process held to AVX2 (ATEN_CPU_CAPABILITY=avx2, as bench/peers.py --isa-hold runs) and a
+    later one on the AVX-512 default shared an entry: its C++ was written for 8-lane vectors and then
+    built for 16, and the kernel wrote past its buffers (garbage outputs, then glibc's "double free
+    or corruption" and an abort; the CI run of session 15 hung in that abort). Measured on the Intel
+    Xeon: with the width named, each instruction set gets its own entry
+    (tests/test_cpu_kernels.py::test_compiled_decode_attention_survives_a_cache_from_another_isa)."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        width = pick_vec_isa().bit_width()
+    except Exception as e:  # noqa: BLE001 - a private inductor API: without it, inductor's defaults
+        logger.debug("inductor's vector ISA not known (%s)", e)
+        return {}
+    return {"cpp.simdlen": width} if width else {}
+
+
 def _decode_kernel():
     """decode_attention compiled by inductor once per process (eager when disabled or on failure)."""
     global _compiled
@@ -120,7 +140,7 @@ def _decode_kernel():
             _compiled = decode_attention
         else:
             try:
-                _compiled = torch.compile(decode_attention, dynamic=None, fullgraph=True)
+                _compiled = torch.compile(decode_attention, dynamic=None, fullgraph=True, options=_inductor_options())
             except Exception as e:  # noqa: BLE001 - any compiler problem degrades to eager, loudly
                 logger.warning("torch.compile unavailable for CPU decode attention (%s); running eagerly", e)
                 _compiled = decode_attention

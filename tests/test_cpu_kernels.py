@@ -9,7 +9,11 @@ reference on bf16 caches (outputs are O(1) and rounded to bf16 once, as in test_
 """
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,6 +299,42 @@ def test_compiled_decode_attention_matches_reference():
         want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
         got = cpu_attention.paged_attention(query, key_cache, value_cache, attn, scale)
         assert (got.float() - want.float()).abs().max().item() < 2e-2, case
+
+
+_CROSS_ISA_CHILD = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+from test_cpu_kernels import CASES, _random_step
+from vbatch.kernels import attention_ref, cpu_attention
+for case in ("decode_ragged", "decode_big_blocks", "decode_single_block"):
+    query, key_cache, value_cache, attn, scale = _random_step(*CASES[case])
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
+    got = cpu_attention.paged_attention(query, key_cache, value_cache, attn, scale)
+    err = (got.float() - want.float()).abs().max().item()
+    print(case, err)
+    assert err < 2e-2, case
+"""
+
+
+@pytest.mark.slow
+def test_compiled_decode_attention_survives_a_cache_from_another_isa(tmp_path):
+    """kernels/cpu_attention.py _inductor_options: a process held to a narrower instruction set fills
+    inductor's on-disk cache first, then one on this CPU's own reads the same cache. Before the width
+    was named in the options the second process loaded the first one's entry and wrote past its
+    buffers (glibc aborted: "double free or corruption (!prev)")."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    width = pick_vec_isa().bit_width()
+    if width < 256:
+        pytest.skip("inductor has no vector instruction set here to compare with a narrower one")
+    narrower = "avx2" if width > 256 else "default"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop("VBATCH_CPU_COMPILE", None)
+    child = [sys.executable, "-c", _CROSS_ISA_CHILD.format(tests=str(Path(__file__).parent))]
+    for step_env in ({**env, "ATEN_CPU_CAPABILITY": narrower}, env):
+        proc = subprocess.run(child, env=step_env, capture_output=True, text=True, timeout=600)
+        held = step_env.get("ATEN_CPU_CAPABILITY", "this CPU's own")
+        assert proc.returncode == 0, f"ISA {held}: rc {proc.returncode}\n{proc.stdout}{proc.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("context_len,query_len", [(0, 1), (0, 13), (5, 4), (20, 1)])
