@@ -117,11 +117,11 @@ def _inductor_options() -> dict:
     cache key, and the width it picks by itself is not.
 
     NOTE: inductor's FX graph cache keys an entry without the CPU instruction set it was generated
-    for, so a process held to AVX2 (ATEN_CPU_CAPABILITY=avx2, as bench/peers.py --isa-hold runs) and a
-    later one on the AVX-512 default shared an entry: its C++ was written for 8-lane vectors and then
-    built for 16, and the kernel wrote past its buffers (garbage outputs, then glibc's "double free
-    or corruption" and an abort; the CI run of session 15 hung in that abort). Measured on the Intel
-    Xeon: with the width named, each instruction set gets its own entry
+    for, so a process held to AVX2 (ATEN_CPU_CAPABILITY=avx2: the Zen 3 emulation, bench/peers.py's
+    instruction-set hold) and a later one on the AVX-512 default shared an entry: its C++ was written
+    for 8-lane vectors and then built for 16, and the kernel wrote past its buffers (garbage outputs,
+    then glibc's "double free or corruption" and an abort; the CI run of session 15 hung in that
+    abort). Measured on the Intel Xeon: with the width named, each instruction set gets its own entry
     (tests/test_cpu_kernels.py::test_compiled_decode_attention_survives_a_cache_from_another_isa)."""
     try:
         from torch._inductor.cpu_vec_isa import pick_vec_isa

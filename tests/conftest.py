@@ -29,12 +29,12 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if HANG_SECONDS > 0 and _terminal:
+    if _terminal:   # taken only where HANG_SECONDS > 0
         faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=_terminal[0])
     try:
         yield
     finally:
-        if HANG_SECONDS > 0 and _terminal:
+        if _terminal:
             faulthandler.cancel_dump_traceback_later()
 
 
