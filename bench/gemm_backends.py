@@ -2,14 +2,14 @@
 
     python bench/gemm_backends.py [--threads 2] [--rows 16,64,256,1024,2048,8192] [--dtypes float32] [--q8-0]
 
-For each dtype and row count, every library kernels/cpu_linear.py can run (oneDNN prepacked, MKL
+For each dtype and row count, every library kernels/gemm_libraries.py can run (oneDNN prepacked, MKL
 through torch's F.linear, zentorch prepacked where its wheel loads, vbatch's own fp32 GEMM where the
 native build has AVX2 and FMA) multiplies the same activations
 by the four linear weights of a SmolLM2 layer ([960, 576] qkv, [576, 576] o_proj, [3072, 576]
 gate/up, [576, 1536] down), passes alternating between the libraries, and prints GFLOP/s (the best
 of the passes: interference only slows a pass down), each library's ratio to the fastest and, for
 fp32, its share of the cores' multiply-add peak (cli/bench_ceilings.measure_fma_peak_gflops). The
-engine picks one per dtype (`cpu_linear.gemm_backend`, printed by `vbatch bench`; VBATCH_GEMM
+engine picks one per dtype (`gemm_libraries.gemm_backend`, printed by `vbatch bench`; VBATCH_GEMM
 overrides it): docs/performance.md records what this script measured on each CPU kind.
 --q8-0 races, instead, the ways a Q8_0 model (`--quantization q8_0`) can multiply 5+ rows: oneDNN's fp32
 GEMM over the dequantized weights ("float") and vbatch's integer GEMM (kernels/cpu_q8_0_linear.py:
@@ -38,7 +38,7 @@ def main() -> None:
 
     import torch
 
-    from vbatch.kernels import cpu_features, cpu_linear
+    from vbatch.kernels import cpu_features, cpu_linear, gemm_libraries
 
     torch.set_num_threads(args.threads)
     cpu = cpu_features.detect()
@@ -51,14 +51,14 @@ def main() -> None:
     if args.q8_0:
         race_q8_0(args, cpu, peak)
         return
-    available = [b for b in (cpu_linear.backend_named(n) for n in cpu_linear.BACKEND_NAMES) if b is not None]
+    available = [b for b in (gemm_libraries.backend_named(n) for n in gemm_libraries.BACKEND_NAMES) if b is not None]
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        if not cpu_linear.can_pack(dtype):
+        if not gemm_libraries.can_pack(dtype):
             print(f"{dtype_name}: oneDNN has no fast path for it on this CPU (bf16 GEMMs run ~8x slower than fp32 "
                   "without avx512_bf16): skipped")
             continue
-        chosen = cpu_linear.gemm_backend(dtype).name
+        chosen = gemm_libraries.gemm_backend(dtype).name
         backends = [b for b in available if dtype in b.dtypes]
         weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
         packed = {b.name: [b.pack(w) for w in weights] for b in backends}

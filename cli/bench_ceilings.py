@@ -127,13 +127,13 @@ def measure_gemm_gflops(dtype_name: str, shape: tuple[int, int, int] = DECODE_SH
     import torch
     import torch.nn.functional as F
 
-    from ..kernels import cpu_linear
+    from ..kernels import cpu_linear, gemm_libraries
 
     dtype = getattr(torch, dtype_name)
     m, k, n = shape
     x = torch.randn(m, k).to(dtype)  # [tokens, in]
     linear = torch.nn.Linear(k, n, bias=False).to(dtype)
-    packed = cpu_linear.pack_linear(linear) if cpu_linear.can_pack(dtype) else None
+    packed = cpu_linear.pack_linear(linear) if gemm_libraries.can_pack(dtype) else None
     with torch.inference_mode():
         seconds = _best_seconds((lambda: packed(x)) if packed is not None else (lambda: F.linear(x, linear.weight)),
                                 repeats)

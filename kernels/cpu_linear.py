@@ -13,25 +13,7 @@ against MKL's F.linear at 39 / 68 / 103 / 130 (bench/gemm_backends.py). The pack
 a weight layout: one packed tensor serves every batch size. Accumulation is fp32 inside the
 library; a bf16 output is rounded to bf16, exactly as `F.linear` does.
 
-NOTE: the GEMM library (`gemm_backend`), chosen from the CPU (kernels/cpu_features.py), each
-choice measured by bench/gemm_backends.py on the model's shapes:
-  - bf16 on an AMD CPU: AMD's ZenDNN plugin (`pip install -c constraints-cpu.txt ".[zen]"`, a
-    wheel per torch release) when it loads, 2-8% faster than oneDNN on Zen 4 with weights rotating
-    out of cache as in a model step (M = 64: 330-386 vs 307-365 GFLOP/s, M = 256: 414-438 vs
-    401-423), one engine step 2-8% faster.
-  - bf16 on any other CPU: oneDNN, which runs AMX tiles where the CPU has them. On an Intel Xeon with
-    amx_bf16 (2 threads) zentorch's bf16 GEMM ran at 173-209 GFLOP/s against oneDNN's 721 / 1,483 /
-    1,898 at 64 / 256 / 2,048 rows (0.10-0.24x): ZenDNN has no AMX path.
-  - fp32: oneDNN, ahead of zentorch's fp32 GEMM on Zen 3 (118 vs 112 GFLOP/s at 64 rows, 131 vs 104
-    at 256) and on the Intel Xeon (206 vs 186 at 64, 289 vs 273 at 256; MKL within 5% there).
-  - fp32, vbatch's own (`native`, kernels/csrc/cpu_gemm.c: AVX2 + FMA, 6 x 16 micro tiles over
-    panels packed once): not the default anywhere. On Zen 3 (session 14, 2 threads, the same process
-    alternating with oneDNN, two runs) it ran 1.13-1.2x oneDNN at 16 rows, 0.92-0.99x at 256 and
-    0.87-0.99x at 1,024-2,048 (oneDNN 109-151 GFLOP/s there, the cores' multiply-add peak 176): the
-    library is close to what a hand-written kernel gets, so it stays the choice.
-VBATCH_GEMM=onednn|zentorch|mkl|native overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out; it
-is never loaded on a CPU that is not AMD's);
-`vbatch bench` prints the library in use.
+NOTE: the GEMM library each layer runs through, and why: kernels/gemm_libraries.py.
 
 NOTE: half-precision weights. With `weight_dtype` below the model's dtype (an fp32 model on a CPU
 without fast bf16: dtype auto streams its weights as fp16, cpu_features.CpuTier.half_dtype)
@@ -49,21 +31,17 @@ in integers instead (kernels/cpu_q8_0_linear.py: the same q * d, the rows rounde
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
-import os
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_features, q8_0
+from . import q8_0
+from .gemm_libraries import ONEDNN, GemmBackend, can_pack, gemm_backend
 
 logger = logging.getLogger(__name__)
 
-_PACK_BATCH_HINT = 64  # oneDNN wants a batch-size hint for the reorder; any size runs on the result
 
 MLP_CHUNK_ROWS = 2048
 """Rows of a gated MLP computed together in a large step (Ops.mlp_chunk_rows): gate/up, SiLU-and-mul
@@ -76,145 +54,6 @@ torch's libraries held to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2, the avx2 tier): 197-198 whole, 199 / 204 / 215-220 / 218 / 219-221
 / 225 at 4,096 / 3,072 / 2,048 / 1,536 / 1,024 / 512. Encoders get the same from the pooling runner,
 which runs a step's sequences in sub-batches of 2,048 tokens (engine/pooling_runner.py)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmBackend:
-    """One library's prepacked bf16 GEMM: pack a [out, in] weight once, then run rows through it."""
-
-    name: str
-    pack: Callable[[torch.Tensor], torch.Tensor]                                    # [out, in] -> packed
-    # (rows [M, in], packed, bias [out] | None, activation "none" | "silu"; oneDNN also "gelu" | "gelu_tanh")
-    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, str], torch.Tensor]
-    # (rows [M, in], packed, bias, other [M, out]) -> (rows W^T + bias) * other, [M, out]
-    linear_mul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)  # what it multiplies
-
-
-# activation -> (oneDNN post-op, its algorithm): applied to the fp32 accumulator inside the GEMM
-_ONEDNN_ACTIVATION = {"none": ("none", ""), "silu": ("swish", ""), "gelu": ("gelu", "none"),
-                      "gelu_tanh": ("gelu", "tanh")}
-
-
-ONEDNN = GemmBackend(
-    name="onednn",
-    pack=lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _PACK_BATCH_HINT),
-    linear=lambda rows, packed, bias, act: torch.ops.mkldnn._linear_pointwise(
-        rows, packed, bias, _ONEDNN_ACTIVATION[act][0], [], _ONEDNN_ACTIVATION[act][1]),
-    linear_mul=lambda rows, packed, bias, other: torch.ops.mkldnn._linear_pointwise.binary(
-        rows, other, packed, bias, "mul"),
-)
-
-
-def _mkl_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
-    out = F.linear(rows, weight, bias)
-    return F.silu(out) if act == "silu" else out
-
-
-# torch's own F.linear (MKL's sgemm for fp32 on x86): no packing; a peer for bench/gemm_backends.py
-MKL = GemmBackend(
-    name="mkl",
-    pack=lambda w: w.detach().contiguous(),
-    linear=_mkl_linear,
-    linear_mul=lambda rows, weight, bias, other: F.linear(rows, weight, bias) * other,
-)
-
-
-def _zentorch() -> GemmBackend | None:
-    """AMD's ZenDNN GEMMs where its wheel loads, on an AMD CPU only: on the Intel Xeon it ran 0.10-0.24x
-    oneDNN in bf16 and behind it in fp32 (the NOTE above), and it is not even imported there (its
-    libxsmm installs process-wide signal handlers: one deadlocked in free() while a glibc abort was
-    being reported, turning a crash into a hang)."""
-    if os.environ.get("VBATCH_ZENTORCH", "1") == "0":
-        return None
-    if not cpu_features.detect().is_amd:
-        logger.debug("zentorch not used: this %s CPU is not AMD's", cpu_features.detect().vendor or "non-x86")
-        return None
-    try:
-        import zentorch  # noqa: F401  (registers torch.ops.zentorch)
-        z = torch.ops.zentorch
-        z.zentorch_weight_prepack_for_linear, z.zentorch_linear_unary, z.zentorch_linear_unary_binary  # noqa: B018
-    except (ImportError, AttributeError, RuntimeError, OSError) as exc:  # not installed / another torch
-        logger.debug("zentorch not used: %s", exc)
-        return None
-    return GemmBackend(
-        name="zentorch",
-        pack=lambda w: z.zentorch_weight_prepack_for_linear(w.detach().contiguous()),
-        linear=lambda rows, packed, bias, act: z.zentorch_linear_unary(
-            rows, packed, bias, is_weight_prepacked=True, post_op=act),
-        linear_mul=lambda rows, packed, bias, other: z.zentorch_linear_unary_binary(
-            rows, packed, other, bias, is_weight_prepacked=True, post_op_1="none", post_op_2="mul"),
-    )
-
-
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 -> the same N x K values in cpu_gemm.c's layout, kept in shape [N, K]: the outputs in
-    panels of 16, each [K][16] (k-major), a last panel of N % 16 outputs [K][N % 16]."""
-    n, k = weight.shape
-    whole = n // 16 * 16
-    panels = weight[:whole].reshape(-1, 16, k).transpose(1, 2).reshape(-1)   # [N // 16, K, 16]
-    tail = weight[whole:].t().reshape(-1)                                     # [K, N % 16]
-    return torch.cat([panels, tail]).view(n, k)
-
-
-_ACTIVATIONS = {"none": lambda y: y, "silu": F.silu, "gelu": F.gelu,
-                "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
-
-
-def _native() -> GemmBackend | None:
-    """vbatch's own fp32 GEMM (kernels/csrc/cpu_gemm.c, AVX2 + FMA), where the native kernels load."""
-    from . import cpu_native
-    kernels = cpu_native.load()
-    return native_backend(kernels) if kernels is not None and kernels.has_gemm else None
-
-
-def native_backend(kernels) -> GemmBackend:
-    """The GEMM of one native build (cpu_native.NativeKernels with has_gemm) as a backend."""
-
-    def linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
-        return _ACTIVATIONS[act](kernels.gemm(rows, packed, bias, torch.get_num_threads()))
-
-    return GemmBackend(name="native", pack=lambda w: pack_panels(w.detach().float().contiguous()), linear=linear,
-                       linear_mul=lambda rows, packed, bias, other: linear(rows, packed, bias, "none") * other,
-                       dtypes=(torch.float32,))
-
-
-BACKEND_NAMES = ("onednn", "mkl", "zentorch", "native")
-
-
-def backend_named(name: str) -> GemmBackend | None:
-    """onednn | mkl | zentorch | native (None where zentorch, or the native kernels' GEMM, does not load)."""
-    return {"onednn": lambda: ONEDNN, "mkl": lambda: MKL, "zentorch": _zentorch, "native": _native}[name]()
-
-
-def default_backend(dtype: torch.dtype, cpu: cpu_features.CpuFeatures) -> GemmBackend:
-    """The library measured fastest for `dtype` GEMMs on `cpu` (see the NOTE above): zentorch for
-    bf16 on an AMD CPU where its wheel loads, oneDNN otherwise."""
-    zen = _zentorch() if dtype == torch.bfloat16 and cpu.is_amd else None
-    return zen or ONEDNN
-
-
-@functools.cache
-def gemm_backend(dtype: torch.dtype = torch.bfloat16) -> GemmBackend:
-    """The GEMM library for `dtype` (decided once per process): VBATCH_GEMM if it names one that
-    loads, else `default_backend` for this CPU."""
-    wanted = os.environ.get("VBATCH_GEMM", "").strip().lower()
-    backend = None
-    if wanted:
-        if wanted not in BACKEND_NAMES:
-            logger.warning("VBATCH_GEMM=%s is not one of %s; using the default", wanted, ", ".join(BACKEND_NAMES))
-        else:
-            backend = backend_named(wanted)
-            if backend is None:
-                logger.warning("VBATCH_GEMM=%s does not load on this machine (zentorch: an AMD CPU and the `zen` "
-                               "extra; native: the native kernels on AVX2); using the default", wanted)
-            elif dtype not in backend.dtypes:
-                logger.warning("VBATCH_GEMM=%s has no %s GEMM; using the default", wanted, dtype)
-                backend = None
-    if backend is None:
-        backend = default_backend(dtype, cpu_features.detect())
-    logger.info("CPU %s GEMMs: %s", str(dtype).removeprefix("torch."), backend.name)
-    return backend
 
 
 def describe(model: nn.Module) -> str | None:
@@ -231,19 +70,6 @@ def describe(model: nn.Module) -> str | None:
     return None
 
 
-def can_pack(dtype: torch.dtype) -> bool:
-    """True when this torch build runs prepacked oneDNN linears in `dtype` on this CPU (bf16: only
-    where oneDNN has native bf16, avx512_bf16 or AMX; fp32: wherever oneDNN is built in)."""
-    if dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-            return False
-        return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                   out_features: int, backend: GemmBackend, act: str = "none") -> torch.Tensor:
     """[..., in] -> [..., out], the activation `act` applied to the GEMM's accumulator."""
@@ -254,7 +80,7 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight in its GEMM library's blocked layout (oneDNN's or zentorch's, see
-    `gemm_backend`); same forward signature and result.
+    kernels/gemm_libraries.py); same forward signature and result.
 
     With the native kernels built (kernels/cpu_native.py, `native`), a plain [out, in] copy of the
     weight in `weight_dtype` is kept too and up to `SMALL_ROWS` rows go through `cpu_linear_small.c`

@@ -147,7 +147,7 @@ class NativeKernels:
 
     def gemm(self, rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
              num_threads: int) -> torch.Tensor | None:
-        """rows [M, K] fp32 (unit column stride) times a weight packed by cpu_linear.pack_panels ([N, K]
+        """rows [M, K] fp32 (unit column stride) times a weight packed by gemm_libraries.pack_panels ([N, K]
         fp32, panels of 16 outputs), plus bias [N] (cpu_gemm.c) -> [M, N] fp32; None: this build has no
         GEMM (it needs AVX2 and FMA)."""
         n, k = packed.shape

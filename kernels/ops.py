@@ -109,17 +109,17 @@ def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtyp
     the tier's half-precision format when `prefer_half` and the model is fp32 with native kernels
     to stream it: dtype auto on a CPU without fast bf16). quantization "q8_0": the linear weights
     quantized instead (kernels/q8_0.py; an fp32 model with the native kernels, else QuantizationError)."""
-    from . import cpu_attention, cpu_features, cpu_linear, cpu_native, cpu_rotary, q8_0
+    from . import cpu_attention, cpu_features, cpu_linear, cpu_native, cpu_rotary, gemm_libraries, q8_0
     from .cpu_native_ops import NativeOps
     tier = tier or cpu_features.selected_tier()
     native = cpu_native.load(tier)
     if quantization is not None and (quantization != q8_0.NAME or dtype != torch.float32 or native is None
                                      or not native.has_small_linear(dtype, torch.int8)
-                                     or not cpu_linear.can_pack(dtype)):
+                                     or not gemm_libraries.can_pack(dtype)):
         raise q8_0.QuantizationError(
             f"{quantization} weights need an fp32 model, the native CPU kernels and oneDNN (here: "
             f"{str(dtype).removeprefix('torch.')} model, native kernels {'built' if native else 'not built'})")
-    fast_bf16 = tier.bf16_compute and cpu_linear.can_pack(torch.bfloat16)
+    fast_bf16 = tier.bf16_compute and gemm_libraries.can_pack(torch.bfloat16)
     half = dtype == torch.float32 and prefer_half and native is not None
     weight_dtype = weight_dtype or (tier.half_dtype if half else dtype)
     kv_cache_dtype = kv_cache_dtype or (tier.half_dtype if half else dtype)
@@ -133,7 +133,7 @@ def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtyp
                                       prepare_attention=cpu_attention.prepare_attention, compiles_on_first_use=True)
     elif dtype not in (torch.float32, torch.bfloat16):
         return dataclasses.replace(REFERENCE_OPS, cpu_tier=tier)
-    if cpu_linear.can_pack(dtype) and (dtype == torch.float32 or fast_bf16):
+    if gemm_libraries.can_pack(dtype) and (dtype == torch.float32 or fast_bf16):
         ops = dataclasses.replace(
             ops, pack_linear=functools.partial(cpu_linear.pack_linear, native=native, weight_dtype=weight_dtype,
                                                quantization=quantization),

@@ -1,4 +1,4 @@
-"""vbatch's own fp32 GEMM (kernels/csrc/cpu_gemm.c, the `native` GEMM backend of kernels/cpu_linear.py)
+"""vbatch's own fp32 GEMM (kernels/csrc/cpu_gemm.c, the `native` GEMM backend of kernels/gemm_libraries.py)
 against torch's F.linear in float64, on every native build of this CPU that has it (AVX2 + FMA).
 
 The shapes cover each edge of its blocking: rows not a multiple of its 6-row tile (1-5 left over) or
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vbatch.kernels import cpu_linear
+from vbatch.kernels import cpu_features, cpu_linear, gemm_libraries
 
 SHAPES = [  # (rows, outputs, K)
     (1, 1, 1), (5, 17, 3), (7, 33, 300), (13, 16, 257), (6, 15, 513), (97, 49, 1536), (256, 576, 576),
@@ -28,7 +28,7 @@ def _gemm(native):
 def test_pack_panels_is_the_documented_layout():
     n, k = 37, 5                                      # two whole panels and a tail of 5 outputs
     w = torch.arange(n * k, dtype=torch.float32).view(n, k)
-    flat = cpu_linear.pack_panels(w).reshape(-1)
+    flat = gemm_libraries.pack_panels(w).reshape(-1)
     for p in range(2):
         for kk in range(k):
             for j in range(16):
@@ -47,7 +47,7 @@ def test_native_gemm_matches_linear(native, shape, threads):
     w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     wide = torch.randn(m, k + 3, generator=g)
     x = wide[:, 1:k + 1]                              # rows k + 3 floats apart
-    packed = cpu_linear.pack_panels(w)
+    packed = gemm_libraries.pack_panels(w)
     for b in (None, bias):
         got = gemm(x, packed, b, threads)
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -61,8 +61,8 @@ def test_native_backend_through_packed_linear(native, monkeypatch):
     """The backend as the model uses it: PackedLinear with VBATCH_GEMM=native, fp16-stored weights
     widened once, 5+ rows (fewer go through the small-rows kernel)."""
     _gemm(native)
-    monkeypatch.setattr(cpu_linear, "_native", lambda: cpu_linear.native_backend(native))
-    backend = cpu_linear.backend_named("native")
+    monkeypatch.setattr(gemm_libraries, "_native", lambda: gemm_libraries.native_backend(native))
+    backend = gemm_libraries.backend_named("native")
     lin = torch.nn.Linear(300, 70)
     packed = cpu_linear.PackedLinear(lin, backend=backend, weight_dtype=torch.float16)
     x = torch.randn(2, 9, 300)
@@ -74,13 +74,13 @@ def test_native_backend_through_packed_linear(native, monkeypatch):
 
 def test_vbatch_gemm_native_serves_fp32_only(monkeypatch):
     monkeypatch.setenv("VBATCH_GEMM", "native")
-    cpu_linear.gemm_backend.cache_clear()
+    gemm_libraries.gemm_backend.cache_clear()
     try:
-        bf16 = cpu_linear.gemm_backend(torch.bfloat16)
+        bf16 = gemm_libraries.gemm_backend(torch.bfloat16)
         assert bf16.name != "native"                     # it has no bf16 GEMM: the default serves
-        fp32 = cpu_linear.gemm_backend(torch.float32)
-        native = cpu_linear.backend_named("native")
-        assert fp32.name == ("native" if native is not None else cpu_linear.default_backend(
-            torch.float32, cpu_linear.cpu_features.detect()).name)
+        fp32 = gemm_libraries.gemm_backend(torch.float32)
+        native = gemm_libraries.backend_named("native")
+        assert fp32.name == ("native" if native is not None else gemm_libraries.default_backend(
+            torch.float32, cpu_features.detect()).name)
     finally:
-        cpu_linear.gemm_backend.cache_clear()
+        gemm_libraries.gemm_backend.cache_clear()

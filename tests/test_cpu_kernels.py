@@ -21,23 +21,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from test_kernels_reference import make_metadata
-from vbatch.kernels import attention_ref, cpu_attention, cpu_features, cpu_linear
+from vbatch.kernels import attention_ref, cpu_attention, cpu_features, cpu_linear, gemm_libraries
 from vbatch.kernels.ops import REFERENCE_OPS, get_ops
 
 torch.set_num_threads(1)
 
-needs_bf16 = pytest.mark.skipif(not cpu_linear.can_pack(torch.bfloat16),
+needs_bf16 = pytest.mark.skipif(not gemm_libraries.can_pack(torch.bfloat16),
                                 reason="this CPU/torch has no oneDNN bf16 (avx512_bf16) path")
 
 
-def _backend(name: str) -> cpu_linear.GemmBackend:
+def _backend(name: str) -> gemm_libraries.GemmBackend:
     """oneDNN and MKL (torch's F.linear) always; zentorch on an AMD CPU where its wheel loads (the `zen` extra).
 
     NOTE: resolved inside the tests, not at collection: importing zentorch imports triton, and
     tests/test_triton_kernels.py must be the first to import triton (with TRITON_INTERPRET set)."""
     if name in ("onednn", "mkl"):
-        return cpu_linear.backend_named(name)
-    backend = cpu_linear._zentorch()
+        return gemm_libraries.backend_named(name)
+    backend = gemm_libraries._zentorch()
     if backend is None:
         if not cpu_features.detect().is_amd:
             pytest.skip(f"zentorch is AMD's library, not loaded on this {cpu_features.detect().vendor} CPU")
@@ -130,7 +130,7 @@ def test_describe_names_the_gemm_library(backend, dtype):
 
 def test_zentorch_is_skipped_when_disabled(monkeypatch):
     monkeypatch.setenv("VBATCH_ZENTORCH", "0")
-    assert cpu_linear._zentorch() is None
+    assert gemm_libraries._zentorch() is None
 
 
 def test_zentorch_is_not_loaded_on_a_cpu_that_is_not_amds(monkeypatch, caplog):
@@ -138,31 +138,31 @@ def test_zentorch_is_not_loaded_on_a_cpu_that_is_not_amds(monkeypatch, caplog):
     # imported (asked for by name, a warning and the default)
     intel = cpu_features.CpuFeatures("x86_64", "Intel Xeon", frozenset({"avx512_bf16", "amx_bf16"}), "GenuineIntel")
     monkeypatch.setattr(cpu_features, "detect", lambda: intel)
-    assert cpu_linear._zentorch() is None
-    cpu_linear.gemm_backend.cache_clear()
+    assert gemm_libraries._zentorch() is None
+    gemm_libraries.gemm_backend.cache_clear()
     monkeypatch.setenv("VBATCH_GEMM", "zentorch")
     try:
         with caplog.at_level("WARNING"):
-            assert cpu_linear.gemm_backend(torch.float32) is cpu_linear.ONEDNN
+            assert gemm_libraries.gemm_backend(torch.float32) is gemm_libraries.ONEDNN
         assert "VBATCH_GEMM=zentorch does not load on this machine" in caplog.text
     finally:
-        cpu_linear.gemm_backend.cache_clear()
+        gemm_libraries.gemm_backend.cache_clear()
 
 
 def test_gemm_library_default_and_override(monkeypatch):
     # fp32: oneDNN (measured ahead of zentorch and MKL on Zen 3); VBATCH_GEMM names another.
-    cpu_linear.gemm_backend.cache_clear()
+    gemm_libraries.gemm_backend.cache_clear()
     monkeypatch.delenv("VBATCH_GEMM", raising=False)
     try:
-        assert cpu_linear.gemm_backend(torch.float32) is cpu_linear.ONEDNN
-        cpu_linear.gemm_backend.cache_clear()
+        assert gemm_libraries.gemm_backend(torch.float32) is gemm_libraries.ONEDNN
+        gemm_libraries.gemm_backend.cache_clear()
         monkeypatch.setenv("VBATCH_GEMM", "mkl")
-        assert cpu_linear.gemm_backend(torch.float32) is cpu_linear.MKL
-        cpu_linear.gemm_backend.cache_clear()
+        assert gemm_libraries.gemm_backend(torch.float32) is gemm_libraries.MKL
+        gemm_libraries.gemm_backend.cache_clear()
         monkeypatch.setenv("VBATCH_GEMM", "no-such-library")      # a warning, then the default
-        assert cpu_linear.gemm_backend(torch.float32) is cpu_linear.ONEDNN
+        assert gemm_libraries.gemm_backend(torch.float32) is gemm_libraries.ONEDNN
     finally:
-        cpu_linear.gemm_backend.cache_clear()
+        gemm_libraries.gemm_backend.cache_clear()
 
 
 def test_gemm_library_follows_the_cpu(monkeypatch):
@@ -170,13 +170,13 @@ def test_gemm_library_follows_the_cpu(monkeypatch):
     # where zentorch ran at 0.10-0.24x); fp32: oneDNN everywhere.
     amd = cpu_features.CpuFeatures("x86_64", "AMD EPYC", frozenset({"avx512_bf16"}), "AuthenticAMD")
     intel = cpu_features.CpuFeatures("x86_64", "Intel Xeon", frozenset({"avx512_bf16", "amx_bf16"}), "GenuineIntel")
-    zen = cpu_linear._zentorch()
-    assert cpu_linear.default_backend(torch.bfloat16, intel) is cpu_linear.ONEDNN
-    assert cpu_linear.default_backend(torch.float32, amd) is cpu_linear.ONEDNN
-    assert cpu_linear.default_backend(torch.float32, intel) is cpu_linear.ONEDNN
-    assert cpu_linear.default_backend(torch.bfloat16, amd).name == (zen.name if zen else "onednn")
+    zen = gemm_libraries._zentorch()
+    assert gemm_libraries.default_backend(torch.bfloat16, intel) is gemm_libraries.ONEDNN
+    assert gemm_libraries.default_backend(torch.float32, amd) is gemm_libraries.ONEDNN
+    assert gemm_libraries.default_backend(torch.float32, intel) is gemm_libraries.ONEDNN
+    assert gemm_libraries.default_backend(torch.bfloat16, amd).name == (zen.name if zen else "onednn")
     monkeypatch.setenv("VBATCH_ZENTORCH", "0")
-    assert cpu_linear.default_backend(torch.bfloat16, amd) is cpu_linear.ONEDNN
+    assert gemm_libraries.default_backend(torch.bfloat16, amd) is gemm_libraries.ONEDNN
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
@@ -228,9 +228,10 @@ def test_get_ops_binds_the_cpu_paths_for_fp32_and_bf16():
     native = cpu_native.load(tier)
     fp32 = get_ops("cpu", torch.float32)
     assert fp32.cpu_tier is tier and fp32.native is native
-    assert isinstance(fp32.pack_linear(nn.Linear(32, 48)), cpu_linear.PackedLinear) == cpu_linear.can_pack(torch.float32)
+    packs = gemm_libraries.can_pack(torch.float32)
+    assert isinstance(fp32.pack_linear(nn.Linear(32, 48)), cpu_linear.PackedLinear) == packs
     bf16_ops = get_ops("cpu", torch.bfloat16)
-    if tier.bf16_compute and cpu_linear.can_pack(torch.bfloat16):
+    if tier.bf16_compute and gemm_libraries.can_pack(torch.bfloat16):
         want = cpu_attention.paged_attention if native is None else None
         assert want is None or bf16_ops.paged_attention is want
         assert isinstance(bf16_ops.pack_gate_up(nn.Linear(32, 48).to(torch.bfloat16)), cpu_linear.PackedGateUp)

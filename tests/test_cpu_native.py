@@ -508,7 +508,7 @@ def test_this_cpu_runs_its_own_fast_path():
 def test_without_the_native_build_the_ops_keep_the_torch_paths(monkeypatch):
     # No C compiler (or VBATCH_CPU_NATIVE=0): load() gives None and get_ops binds the torch paths
     # (oneDNN linears; bf16: the inductor decode attention; fp32: the reference attention).
-    from vbatch.kernels import attention_ref, cpu_attention, cpu_linear
+    from vbatch.kernels import attention_ref, cpu_attention, cpu_linear, gemm_libraries
     from vbatch.kernels.ops import get_ops
     tier = cpu_features.selected_tier()
     monkeypatch.setattr(cpu_native, "_loaded", {tier.name: None})
@@ -518,7 +518,7 @@ def test_without_the_native_build_the_ops_keep_the_torch_paths(monkeypatch):
     assert packed.native is None and packed.small_weight is None     # no second copy of the weights
     assert ops.weight_dtype == torch.float32 and get_ops("cpu", torch.float32, prefer_half=True).weight_dtype \
         == torch.float32                                             # nothing would stream half weights
-    if tier.bf16_compute and cpu_linear.can_pack(torch.bfloat16):
+    if tier.bf16_compute and gemm_libraries.can_pack(torch.bfloat16):
         bf16 = get_ops("cpu", torch.bfloat16)
         assert bf16.paged_attention is cpu_attention.paged_attention and bf16.compiles_on_first_use
     monkeypatch.undo()

@@ -127,8 +127,8 @@ def test_cpu_ops_carry_the_fast_encoder_ops():
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("rows", [3, 300])
 def test_gelu_fused_into_the_packed_gemm_equals_gemm_then_gelu(approximate, rows):
-    from vbatch.kernels import cpu_linear
-    if not cpu_linear.can_pack(torch.float32):
+    from vbatch.kernels import cpu_linear, gemm_libraries
+    if not gemm_libraries.can_pack(torch.float32):
         pytest.skip("no prepacked fp32 GEMM in this torch build")
     lin = torch.nn.Linear(64, 256)
     packed = cpu_linear.pack_linear(lin)
