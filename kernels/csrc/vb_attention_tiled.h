@@ -26,8 +26,12 @@ static inline __attribute__((always_inline)) void tiled_values(Scratch *sc, cons
 }
 
 /* (row, head) pairs per step of tiled_pv: their PV_ROWS x NV accumulators in registers (16 of 32
- * zmm with AVX-512; with 16 registers one pair of 64 fp32 dims, 8 ymm: four pairs spilled every FMA). */
-#define PV_ROWS(NV) (VL == 16 ? 4 : (NV) >= 8 ? 1 : 8 / (NV))
+ * zmm with AVX-512; with 16 registers one pair of 64 fp32 dims, 8 ymm: four pairs spilled every FMA).
+ * At most PV_ROWS_MAX: the accumulators' array bound (head_dim % 16 == 0 gives NV >= 2 on 8 lanes
+ * and NV >= 4 on 4, so 8 / NV never exceeds it; the cap says so to the compiler, which warned of
+ * a write past the array for NV = 1 in the build specialised on no head size). */
+#define PV_ROWS_MAX 4
+#define PV_ROWS(NV) (VL == 16 || (NV) < 2 ? PV_ROWS_MAX : (NV) >= 8 ? 1 : 8 / (NV))
 
 /* The tiled paths' p.v for (row, head) pairs [rg_begin, rg_end): tacc[i] += sum_j tp[i][j] * vf[j],
  * PV_ROWS accumulators at a time: independent FMA chains, shared loads. */
@@ -35,7 +39,7 @@ static inline __attribute__((always_inline)) void tiled_pv(Scratch *sc, int rg_b
     const int D = NV * VL, U = PV_ROWS(NV);
     for (int i0 = rg_begin; i0 < rg_end; i0 += U) {
         const int cnt = rg_end - i0 < U ? rg_end - i0 : U;
-        vf a[4][MAX_HEAD_DIM / VL];
+        vf a[PV_ROWS_MAX][MAX_HEAD_DIM / VL];
         for (int u = 0; u < U; ++u)
             for (int c = 0; c < NV; ++c)
                 a[u][c] = u < cnt ? *(vf *)(sc->tacc + (int64_t)(i0 + u) * D + VL * c) : splat(0.0f);
