@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -32,6 +33,8 @@ import torch
 
 from .cache_ref import FP8_KV_DTYPES
 from .cpu_features import CpuFeatures, CpuTier, detect
+
+logger = logging.getLogger(__name__)
 
 
 class NativeKernelError(RuntimeError):
@@ -107,16 +110,19 @@ def toolchain_defines(cc: str, tier: CpuTier) -> tuple[str, ...]:
     return () if proc.returncode == 0 else ("-DVB_NO_AVXVNNI_ASM",)
 
 
-def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
+def build(tier: CpuTier, compiler: str | None = None, cpu: CpuFeatures | None = None) -> tuple[Path, bool]:
     """Compile the C sources for `tier` (or reuse an earlier build): (the shared library's path, True
-    when it was compiled now rather than reused from the cache)."""
+    when it was compiled now rather than reused from the cache). `cpu`: the machine the library is
+    for, when not this one (a cross compiler's target: tests/test_cross_arch.py). What the compiler
+    warned of is logged at debug level."""
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = build_flags(tier)
+    flags = build_flags(tier, cpu)
     texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_flags(), tier.name]).encode())
+    target_cpu = _cpu_flags() if cpu is None else f"{cpu.machine} {' '.join(sorted(cpu.flags))}"
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, target_cpu, tier.name]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "libvbatch_cpu.so"
     if target.exists():
         return target, False
@@ -137,6 +143,8 @@ def build(tier: CpuTier, compiler: str | None = None) -> tuple[Path, bool]:
             for (command, what), proc in zip(jobs, pool.map(compile_one, jobs)):
                 if proc.returncode != 0:
                     raise RuntimeError(f"{cc} failed to build {what} for the {tier.name} tier:\n{proc.stderr[-2000:]}")
+                if proc.stderr.strip():
+                    logger.debug("%s warned building %s for the %s tier:\n%s", cc, what, tier.name, proc.stderr)
         library = f"{tmp}/libvbatch_cpu.so"
         objects = [command[-1] for command, _ in jobs]
         proc = subprocess.run([cc, "-shared", "-fopenmp", *_extra_flags(), *objects, "-o", library],

@@ -3,16 +3,18 @@ what this x86-64 machine's portable build gives.
 
 The portable tier (kernels/cpu_features.py PORTABLE: plain C the compiler vectorises, 4-lane vectors,
 no intrinsics) is what an ARM machine builds. The rest of the suite tests it on x86-64 against the
-PyTorch references (forced with VBATCH_CPU_TIER, conftest.native_test_tiers); this file builds the same
-sources with the same flags twice, for this machine and with aarch64-linux-gnu-gcc, links each with
-tests/csrc/cross_check.c (every kernel on fixed inputs, its results written to a file) and compares
-the two files: the x86-64 build is the oracle.
+PyTorch references (forced with VBATCH_CPU_TIER, conftest.native_test_tiers). Here
+`native_build.build` makes the library twice, as the engine does: for this machine, and with
+aarch64-linux-gnu-gcc for an aarch64 CPU (the flags an ARM machine would use, into a scratch cache).
+tests/csrc/cross_check.c (every kernel on fixed inputs, its results written to a file) is linked
+against each library, once per build variant, and the two files are compared: the x86-64 build is
+the oracle.
 
 Tolerances, per record, of its largest magnitude: 1e-4 for fp32 results (the aarch64 build contracts
 a * b + c into FMAs, SSE2 has none: a last-bit difference per step; measured at most 2e-6, and 2.4e-5
 after the FMA probe's 1,000-step chains); one bf16 step (2^-7) for bf16 activations, where a
-last-bit difference can move a rounding. Return codes, stored KV-cache codes and sampled token ids match
-exactly.
+last-bit difference can move a rounding. Return codes, stored KV-cache codes and sampled token ids
+match exactly. The aarch64 build must also compile without a warning (the build logs them).
 
 Needs the cross compiler and qemu-user (Debian: `apt-get install gcc-aarch64-linux-gnu
 qemu-user-static`; .ci/run installs them); without them the test skips with that reason. On an
@@ -20,53 +22,61 @@ aarch64 machine the suite tests the portable tier natively instead.
 """
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from vbatch.kernels import cpu_features, native_build
+from vbatch.kernels import native_build
+from vbatch.kernels.cpu_features import PORTABLE, CpuFeatures
 
 HARNESS = Path(__file__).with_name("csrc") / "cross_check.c"
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
-SYSROOT = Path("/usr/aarch64-linux-gnu")  # Debian's cross libc, libgomp (the loader qemu-user uses)
+SYSROOT = Path("/usr/aarch64-linux-gnu")  # Debian's cross libc and libgomp (the loader qemu-user uses)
+ARM = CpuFeatures(machine="aarch64", model_name="aarch64 (cross-compiled)", flags=frozenset({"fp", "asimd"}))
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64" or not shutil.which(CROSS_CC) or not QEMU or not shutil.which("cc"),
     reason=f"needs an x86-64 machine with `cc`, {CROSS_CC} and qemu-aarch64 "
            "(apt-get install gcc-aarch64-linux-gnu qemu-user-static)")
 
-# (activations, KV cache) builds checked: an fp32 model's storage on this tier (bf16 weights and KV
-# cache), exact fp32, a bf16 model, and an fp8 cache (the KV sources only). The other four variants
-# differ from these only in the KV cache's conversions (fp16, E5M2) or pair them with bf16
-# activations; each build pair costs ~25 s of the two cores.
-VARIANTS = [(key, native_build.VARIANTS[key]) for key in [
-    (torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-    (torch.float32, torch.float8_e4m3fn)]]
+VARIANTS = list(native_build.VARIANTS.items())
 VARIANT_IDS = [suffix for _, (suffix, _) in VARIANTS]
 
 
-def _build(cc: str, defines: tuple[str, ...], sources: tuple[Path, ...], out: Path) -> tuple[Path, str]:
-    """The harness linked with `sources`, built by `cc` with the portable tier's flags: (program, warnings)."""
-    out.mkdir(parents=True)
-    flags = (*native_build.FLAGS, *cpu_features.PORTABLE.compile_flags, *defines, f"-I{native_build.CSRC}")
-    jobs = [[cc, *flags, "-c", str(source), "-o", str(out / f"{source.stem}.o")] for source in sources]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        procs = list(pool.map(lambda job: subprocess.run(job, capture_output=True, text=True), jobs))
-    for job, proc in zip(jobs, procs):
-        assert proc.returncode == 0, f"{cc} failed on {job[-3]}:\n{proc.stderr[-3000:]}"
-    program = out / "cross_check"
-    link = subprocess.run([cc, *flags, str(HARNESS), *(str(out / f"{s.stem}.o") for s in sources), "-lm",
-                           "-o", str(program)], capture_output=True, text=True)
-    assert link.returncode == 0, f"{cc} failed to link the harness:\n{link.stderr[-3000:]}"
-    return program, "".join(proc.stderr for proc in procs)
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    """(this machine's portable library, the aarch64 one, what the aarch64 compiles warned of)."""
+    host, _ = native_build.build(PORTABLE)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger, level = native_build.logger, native_build.logger.level
+    logger.addHandler(handler), logger.setLevel(logging.DEBUG)
+    try:
+        with pytest.MonkeyPatch.context() as env:  # a scratch cache: always compiled, never the user's
+            env.setenv("VBATCH_CACHE", str(tmp_path_factory.mktemp("aarch64-cache")))
+            arm, compiled_now = native_build.build(PORTABLE, compiler=CROSS_CC, cpu=ARM)
+    finally:
+        logger.removeHandler(handler), logger.setLevel(level)
+    assert compiled_now
+    return host, arm, warnings
+
+
+def _program(cc: str, library: Path, defines: tuple[str, ...], cpu: CpuFeatures | None, out: Path) -> Path:
+    """tests/csrc/cross_check.c for one variant, linked against `library`."""
+    flags = (*native_build.build_flags(PORTABLE, cpu), *defines, f"-I{native_build.CSRC}")
+    proc = subprocess.run([cc, *flags, str(HARNESS), str(library), "-lm", f"-Wl,-rpath,{library.parent}",
+                           "-o", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0 and not proc.stderr.strip(), f"{cc} on the harness:\n{proc.stderr[-3000:]}"
+    return out
 
 
 def _records(path: Path) -> dict[str, np.ndarray]:
@@ -84,15 +94,14 @@ def _exact(name: str) -> bool:
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
-def test_portable_kernels_on_aarch64_match_this_machines_portable_build(variant, tmp_path):
-    (activations, kv_cache), (suffix, defines) = variant
-    sources = native_build.KV_SOURCES if kv_cache in native_build.FP8_KV_DTYPES else native_build.SOURCES
-    host, host_warnings = _build("cc", defines, sources, tmp_path / "x86_64")
-    arm, arm_warnings = _build(CROSS_CC, defines, sources, tmp_path / "aarch64")
-    # the build must be clean on both: the kernels' build hides warnings, so they would go unseen
-    assert not host_warnings and not arm_warnings, host_warnings + arm_warnings
-
+def test_portable_kernels_on_aarch64_match_this_machines_portable_build(variant, libraries, tmp_path):
+    (activations, _), (_, defines) = variant
+    host_library, arm_library, arm_warnings = libraries
+    assert not arm_warnings, "\n".join(arm_warnings)
+    host = _program("cc", host_library, defines, None, tmp_path / "x86_64")
+    arm = _program(CROSS_CC, arm_library, defines, ARM, tmp_path / "aarch64")
     assert int.from_bytes(arm.read_bytes()[18:20], "little") == 183  # ELF e_machine: EM_AARCH64
+
     subprocess.run([str(host), str(tmp_path / "x86_64.bin")], check=True, timeout=120)
     env = {**os.environ, "QEMU_LD_PREFIX": str(SYSROOT)}
     subprocess.run([QEMU, str(arm), str(tmp_path / "aarch64.bin")], check=True, timeout=300, env=env)

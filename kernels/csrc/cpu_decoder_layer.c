@@ -16,36 +16,7 @@
 
 #include "vb_kernels.h"
 
-/* Norms, biases and activations are act_t (the model's dtype); the four weights are stored as
- * weight_format says (VB_WEIGHT_*: the model's dtype, or half precision for an fp32 model). */
-typedef struct {
-    const act_t *input_norm, *post_norm;        /* [hidden] */
-    const void *qkv_weight;                     /* [q + 2 kv, hidden] */
-    const act_t *qkv_bias;                      /* bias or NULL */
-    const void *o_weight;                       /* [hidden, q] */
-    const act_t *o_bias;
-    const void *gate_up_weight;                 /* [2 intermediate, hidden] */
-    const act_t *gate_up_bias;
-    const void *down_weight;                    /* [hidden, intermediate] */
-    const act_t *down_bias;
-    int hidden, num_q_heads, num_kv_heads, head_dim, intermediate, weight_format;
-    float eps, scale;
-} VbLayer;
-
-typedef struct {
-    int rows;                                    /* tokens in the step, at most 8 */
-    const act_t *cos, *signed_sin;               /* [rows, head_dim] per-token rotary tables */
-    const int64_t *slots;                        /* [rows] KV-cache slots of the new tokens */
-    const int32_t *block_tables;                 /* [num_reqs, table_stride] */
-    int64_t table_stride;
-    const int32_t *query_start, *seq_lens;       /* [num_reqs + 1], [num_reqs] */
-    int num_reqs, block_size;
-    act_t *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch rows: [rows, hidden / q+2kv / q / hidden / 2i / i] */
-} VbStep;
-
-/* hidden [rows, hidden_size]: the layer's input, replaced by its output (the MLP's);
- * residual [rows, hidden_size]: the residual stream, updated (first_layer: set from hidden).
- * Returns 0, or the attention/linear codes (1 unsupported shape, 2 out of memory). */
+/* VbLayer, VbStep and the entry point's contract: vb_kernels.h. */
 int VB_ACT(vb_decoder_layer)(const VbLayer *L, const VbStep *S, kv_t *key_cache, kv_t *value_cache, act_t *hidden,
                              act_t *residual, int first_layer, int num_threads) {
     const int T = S->rows, H = L->hidden, D = L->head_dim;

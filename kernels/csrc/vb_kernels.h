@@ -56,6 +56,62 @@ int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const floa
 int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
                        int64_t ldy, int m, int n, int k, int vnni, int num_threads);
 
+/* cpu_decoder_layer.c: one Llama-family decoder layer for 1-8 tokens in one call. Norms, biases and
+ * activations are act_t (the model's dtype); the four weights are stored as weight_format says
+ * (VB_WEIGHT_*: the model's dtype, or half precision for an fp32 model). kernels/cpu_native_ops.py
+ * mirrors both structs in ctypes. */
+typedef struct {
+    const act_t *input_norm, *post_norm;        /* [hidden] */
+    const void *qkv_weight;                     /* [q + 2 kv, hidden] */
+    const act_t *qkv_bias;                      /* bias or NULL */
+    const void *o_weight;                       /* [hidden, q] */
+    const act_t *o_bias;
+    const void *gate_up_weight;                 /* [2 intermediate, hidden] */
+    const act_t *gate_up_bias;
+    const void *down_weight;                    /* [hidden, intermediate] */
+    const act_t *down_bias;
+    int hidden, num_q_heads, num_kv_heads, head_dim, intermediate, weight_format;
+    float eps, scale;
+} VbLayer;
+
+typedef struct {
+    int rows;                                    /* tokens in the step, at most 8 */
+    const act_t *cos, *signed_sin;               /* [rows, head_dim] per-token rotary tables */
+    const int64_t *slots;                        /* [rows] KV-cache slots of the new tokens */
+    const int32_t *block_tables;                 /* [num_reqs, table_stride] */
+    int64_t table_stride;
+    const int32_t *query_start, *seq_lens;       /* [num_reqs + 1], [num_reqs] */
+    int num_reqs, block_size;
+    act_t *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch rows: [rows, hidden / q+2kv / q / hidden / 2i / i] */
+} VbStep;
+
+/* hidden [rows, hidden_size]: the layer's input, replaced by its output (the MLP's);
+ * residual [rows, hidden_size]: the residual stream, updated (first_layer: set from hidden).
+ * Returns 0, or the attention/linear codes (1 unsupported shape, 2 out of memory). */
+int VB_ACT(vb_decoder_layer)(const VbLayer *L, const VbStep *S, kv_t *key_cache, kv_t *value_cache, act_t *hidden,
+                             act_t *residual, int first_layer, int num_threads);
+
+/* cpu_sample.c: logits [rows, vocab] (rows row_stride apart); temperature [rows] (0: greedy); u [rows]
+ * in [0, 1); out [rows]. Returns 0, or 2 when out of memory. */
+int VB_ACT(vb_sample)(const act_t *logits, int64_t row_stride, int rows, int vocab, const float *temperature,
+                      const float *u, int64_t *out, int num_threads);
+
+/* cpu_encoder_attention.c: bidirectional attention within each packed sequence. Returns 0, or 1 when a
+ * scratch allocation fails. */
+int VB_ACT(vb_encoder_attention)(const act_t *q, const act_t *k, const act_t *v, int64_t row_stride, act_t *out,
+                                 const int64_t *starts, const int32_t *lens, int num_seqs, int num_heads,
+                                 int num_kv_heads, int head_dim, float scale, int num_threads);
+
+/* cpu_fma_probe.c: the multiply-add rate's probe (its value is what tests/test_cpu_native.py recomputes) */
+float VB_ACT(vb_fma_probe)(int64_t iters, float x, float y, int num_threads);
+
+/* cpu_elementwise.c: the row ranges below shared over num_threads */
+void VB_ACT(vb_rms_norm)(const act_t *x, const act_t *residual, const act_t *weight, float eps, act_t *out,
+                         act_t *new_residual, int64_t rows, int hidden, int num_threads);
+void VB_ACT(vb_silu_and_mul)(const act_t *x, act_t *out, int64_t rows, int d, int num_threads);
+void VB_ACT(vb_rotary)(act_t *q, int64_t q_row_stride, int q_heads, act_t *k, int64_t k_row_stride, int k_heads,
+                       const act_t *cos, const act_t *signed_sin, int64_t rows, int head_dim, int num_threads);
+
 /* cpu_elementwise.c: one thread, rows [row_begin, row_end) */
 void VB_ACT(vb_rms_norm_rows)(const act_t *x, const act_t *residual, const act_t *weight, float eps, act_t *out,
                               act_t *new_residual, int64_t row_begin, int64_t row_end, int hidden);

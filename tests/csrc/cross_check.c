@@ -26,46 +26,6 @@
 #define FP8_KV 0
 #endif
 
-int VB_ACT(vb_decoder_layer)(const void *L, const void *S, kv_t *key_cache, kv_t *value_cache, act_t *hidden,
-                             act_t *residual, int first_layer, int num_threads);
-int VB_ACT(vb_sample)(const act_t *logits, int64_t row_stride, int rows, int vocab, const float *temperature,
-                      const float *u, int64_t *out, int num_threads);
-int VB_ACT(vb_encoder_attention)(const act_t *q, const act_t *k, const act_t *v, int64_t row_stride, act_t *out,
-                                 const int64_t *starts, const int32_t *lens, int num_seqs, int num_heads,
-                                 int num_kv_heads, int head_dim, float scale, int num_threads);
-float VB_ACT(vb_fma_probe)(int64_t iters, float x, float y, int num_threads);
-void VB_ACT(vb_rms_norm)(const act_t *x, const act_t *residual, const act_t *weight, float eps, act_t *out,
-                         act_t *new_residual, int64_t rows, int hidden, int num_threads);
-void VB_ACT(vb_silu_and_mul)(const act_t *x, act_t *out, int64_t rows, int d, int num_threads);
-void VB_ACT(vb_rotary)(act_t *q, int64_t q_row_stride, int q_heads, act_t *k, int64_t k_row_stride, int k_heads,
-                       const act_t *cos, const act_t *signed_sin, int64_t rows, int head_dim, int num_threads);
-
-/* The layer's and the step's structs as cpu_decoder_layer.c declares them (its VbLayer / VbStep). */
-typedef struct {
-    const act_t *input_norm, *post_norm;
-    const void *qkv_weight;
-    const act_t *qkv_bias;
-    const void *o_weight;
-    const act_t *o_bias;
-    const void *gate_up_weight;
-    const act_t *gate_up_bias;
-    const void *down_weight;
-    const act_t *down_bias;
-    int hidden, num_q_heads, num_kv_heads, head_dim, intermediate, weight_format;
-    float eps, scale;
-} Layer;
-
-typedef struct {
-    int rows;
-    const act_t *cos, *signed_sin;
-    const int64_t *slots;
-    const int32_t *block_tables;
-    int64_t table_stride;
-    const int32_t *query_start, *seq_lens;
-    int num_reqs, block_size;
-    act_t *normed, *qkv, *attn, *proj, *gate_up, *act;
-} Step;
-
 static FILE *out_file;
 static uint32_t state = 12345u;
 
@@ -274,13 +234,13 @@ static void check_decoder_layer(int format) {
     act_t *normed = calloc(T * H, sizeof(act_t)), *qkv = calloc(T * QKV, sizeof(act_t));
     act_t *attn = calloc(T * Q, sizeof(act_t)), *proj = calloc(T * H, sizeof(act_t));
     act_t *gate_up = calloc(T * 2 * I, sizeof(act_t)), *act = calloc(T * I, sizeof(act_t));
-    const Step step = {T, cos, sin_, slots, tables, 2, query_start, lens, 2, BS, normed, qkv, attn, proj, gate_up, act};
+    const VbStep step = {T, cos, sin_, slots, tables, 2, query_start, lens, 2, BS, normed, qkv, attn, proj, gate_up, act};
     char name[32];
     for (int l = 0; l < 2; ++l) {
         act_t *in_norm = acts(H, 1.0f), *post_norm = acts(H, 1.0f), *qkv_bias = acts(QKV, 0.1f);
         void *wqkv = weight(format, QKV, H), *wo = weight(format, H, Q), *wgu = weight(format, 2 * I, H);
         void *wd = weight(format, H, I);
-        const Layer layer = {in_norm, post_norm, wqkv, qkv_bias, wo, NULL, wgu, NULL, wd, NULL,
+        const VbLayer layer = {in_norm, post_norm, wqkv, qkv_bias, wo, NULL, wgu, NULL, wd, NULL,
                              H, nq, nkv, D, I, format, 1e-5f, 1.0f / sqrtf((float)D)};
         const int rc = VB_ACT(vb_decoder_layer)(&layer, &step, kc + (int64_t)l * 4 * BS * KV,
                                                 vc + (int64_t)l * 4 * BS * KV, hidden, residual, l == 0, 2);
