@@ -8,7 +8,7 @@ Linear module's forward (and a fused gate/up module's `silu_and_mul`) and the ru
 `execute_model`, and prints the seconds per name for steps that carry prompt tokens ("mixed")
 and pure decode steps, then the steps' phases (schedule, inputs, forward, logits head, sampler,
 scheduler update, output processing) in ms per step. Timers add a few microseconds per call; the
-native whole-layer call at 1-4 rows is timed as one `decoder_layer`. docs/performance.md's
+native call that runs every layer at 1-4 rows is timed as one `decoder_layers`. docs/performance.md's
 round-5 and round-6 breakdowns come from here.
 Run it in its own high-priority session on a shared machine (REFERENCE 8):
     setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/op_times.py
@@ -56,7 +56,7 @@ def main() -> None:
     ops = model.ops
     # What this CPU path has (the test reads it): the whole-layer call and a packed logits head
     # exist only where the ops provide them.
-    print(f"ops {ops.name}: fused decoder layer {'on' if ops.decoder_layer else 'off'}, "
+    print(f"ops {ops.name}: fused decoder layers {'on' if ops.decoder_layers else 'off'}, "
           f"logits head {'packed' if model.logits_head is not None else 'plain'}")
     wrapped = dataclasses.replace(ops, **{
         f.name: timed(getattr(ops, f.name), f.name) for f in dataclasses.fields(ops)

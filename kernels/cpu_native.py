@@ -256,14 +256,21 @@ class NativeKernels:
                                        and self.linear_small(probe, weights, None, 1) is not None)
         return self._probes[key]
 
-    def decoder_layer(self, layer: VbLayer, step: VbStep, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      hidden: torch.Tensor, residual: torch.Tensor, first_layer: bool, num_threads: int) -> None:
-        """In place: hidden [rows, hidden] becomes the layer's output, residual the updated stream."""
-        rc = self._fn("vb_decoder_layer", hidden.dtype, key_cache.dtype)(
-            ctypes.byref(layer), ctypes.byref(step), key_cache.data_ptr(), value_cache.data_ptr(), hidden.data_ptr(),
-            residual.data_ptr(), int(first_layer), num_threads)
+    def decoder_layers(self, layers: ctypes.Array, step: VbStep, key_caches: Sequence[torch.Tensor],
+                       value_caches: Sequence[torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor,
+                       first_layer: bool, num_threads: int) -> None:
+        """Consecutive layers in one call, in place: hidden [rows, hidden] becomes the last layer's
+        output, residual the updated stream. layers: a ctypes array of VbLayer; key_caches and
+        value_caches: the layers' caches (contiguous, one dtype), as many as `layers`."""
+        n = len(layers)
+        assert len(key_caches) == len(value_caches) == n
+        pointers = ctypes.c_void_p * n
+        rc = self._fn("vb_decoder_layers", hidden.dtype, key_caches[0].dtype)(
+            layers, n, ctypes.byref(step), pointers(*(k.data_ptr() for k in key_caches)),
+            pointers(*(v.data_ptr() for v in value_caches)), hidden.data_ptr(), residual.data_ptr(),
+            int(first_layer), num_threads)
         if rc != 0:
-            raise NativeKernelError(f"native decoder layer: {_ERRORS.get(rc, f'error {rc}')}")
+            raise NativeKernelError(f"native decoder layers: {_ERRORS.get(rc, f'error {rc}')}")
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
                num_threads: int) -> torch.Tensor:
@@ -325,7 +332,7 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_silu_and_mul": ([p, p, i64, i32, i32], None),
         "vb_rotary": ([p, i64, i32, p, i64, i32, p, p, i64, i32, i32], None),
         "vb_write_kv": ([p, i64, p, i64, p, p, p, i64, i32], None),
-        "vb_decoder_layer": ([p, p, p, p, p, p, i32, i32], ctypes.c_int),
+        "vb_decoder_layers": ([p, i32, p, p, p, p, p, i32, i32], ctypes.c_int),
         "vb_sample": ([p, i64, i32, i32, p, p, p, i32], ctypes.c_int),
         "vb_encoder_attention": ([p, p, p, i64, p, p, p, i32, i32, i32, i32, f32, i32], ctypes.c_int),
         "vb_read_probe": ([p, i64, i32, i32], ctypes.c_uint64),

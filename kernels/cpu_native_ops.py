@@ -14,6 +14,7 @@ nothing else reads) and returns them; the reference returns new tensors.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import threading
@@ -75,7 +76,7 @@ class NativeOps:
             ops, paged_attention=self.paged_attention, prepare_attention=None, rms_norm=self.rms_norm,
             fused_add_rms_norm=self.fused_add_rms_norm, silu_and_mul=self.silu_and_mul,
             apply_rotary=self.apply_rotary, prepare_rotary=cpu_rotary.prepare_rotary,
-            write_kv_cache=self.write_kv_cache, decoder_layer=self.decoder_layer,
+            write_kv_cache=self.write_kv_cache, decoder_layers=self.decoder_layers,
             encoder_attention=self.encoder_attention, native=self.kernels)
 
     def encoder_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens, scale: float
@@ -150,7 +151,7 @@ class NativeOps:
             return cache_ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
         self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
-    # --- a whole decoder layer for a few tokens (kernels/csrc/cpu_decoder_layer.c) --------------
+    # --- whole decoder layers for a few tokens (kernels/csrc/cpu_decoder_layer.c) ---------------
 
     def _layer_struct(self, layer):
         """The layer's VbLayer, built once and kept on the module (None: the layer is not all native).
@@ -178,25 +179,40 @@ class NativeOps:
         layer._vb_native_layer = (self.kernels, struct)
         return struct
 
-    def decoder_layer(self, layer, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                      kv_cache, attn: AttentionMetadata, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """`layer(positions, hidden, residual, kv_cache, attn, rope)`, in one native call when the step
-        has at most FUSED_LAYER_MAX_ROWS tokens (decode at small batch); the module's own forward
-        (the ops one by one) otherwise. Same results: each step of the native layer is the native op."""
+    def _stack(self, layers) -> ctypes.Array | None:
+        """The layers' VbLayers as one ctypes array, built once and kept on the first layer (None:
+        some layer is not all native)."""
+        ids = tuple(id(layer) for layer in layers)
+        cached = getattr(layers[0], "_vb_native_stack", None)
+        if cached is not None and cached[0] is self.kernels and cached[1] == ids:
+            return cached[2]
+        structs = [self._layer_struct(layer) for layer in layers]
+        stack = None if any(s is None for s in structs) else (VbLayer * len(structs))(*structs)
+        layers[0]._vb_native_stack = (self.kernels, ids, stack)
+        return stack
+
+    def decoder_layers(self, layers, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                       kv_caches, attn: AttentionMetadata, rope) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`layer(positions, hidden, residual, kv_cache, attn, rope)` for each layer in turn (with its
+        own cache), in one native call when the step has at most FUSED_LAYER_MAX_ROWS tokens (decode
+        at small batch); the modules' own forward (the ops one by one) otherwise. Same results: each
+        step of the native layer is the native op."""
         rows = hidden.shape[0]
-        struct = self._layer_struct(layer) if 0 < rows <= FUSED_LAYER_MAX_ROWS else None
-        key_cache, value_cache = kv_cache
-        if (struct is None or not isinstance(rope, tuple) or hidden.dtype != layer.input_layernorm.dtype
-                or rope[0].dtype != hidden.dtype or not has_variant(hidden.dtype, key_cache.dtype)
-                or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
-            return layer(positions, hidden, residual, kv_cache, attn, rope)
+        stack = self._stack(layers) if layers and 0 < rows <= FUSED_LAYER_MAX_ROWS else None
+        if (stack is None or not isinstance(rope, tuple) or hidden.dtype != layers[0].input_layernorm.dtype
+                or rope[0].dtype != hidden.dtype or len({k.dtype for k, _ in kv_caches}) != 1
+                or not has_variant(hidden.dtype, kv_caches[0][0].dtype)
+                or not all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)):
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope)
+            return hidden, residual
         step = getattr(self._steps, "current", None)
         if step is None or step.attn is not attn or step.tables is not rope:
-            step = self._steps.current = _Step(attn, rope, rows, layer, hidden.dtype)
+            step = self._steps.current = _Step(attn, rope, rows, layers[0], hidden.dtype)
         first = residual is None
         hidden = hidden.contiguous()
         if first:
             residual = torch.empty_like(hidden)
-        self.kernels.decoder_layer(struct, step.struct, key_cache, value_cache, hidden, residual, first,
-                                   torch.get_num_threads())
+        self.kernels.decoder_layers(stack, step.struct, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                    hidden, residual, first, torch.get_num_threads())
         return hidden, residual

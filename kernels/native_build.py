@@ -65,7 +65,7 @@ VARIANTS = {(torch.float32, torch.float32): ("f32", ("-DVB_ACT_F32",)),
 KV_SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
               CSRC / "cpu_decoder_layer.c")
 KV_ENTRY_POINTS = ("vb_paged_attention", "vb_linear_small", "vb_rms_norm", "vb_silu_and_mul", "vb_rotary",
-                   "vb_write_kv", "vb_decoder_layer")
+                   "vb_write_kv", "vb_decoder_layers")
 
 def _cpu_flags() -> str:
     try:

@@ -67,10 +67,11 @@ class Ops:
     # Optional, CPU bf16 (kernels/cpu_attention.py): `prepare_attention(attn) -> attn'` runs once per
     # forward; attn' (an AttentionMetadata with extra per-step fields) goes to every layer.
     prepare_attention: Callable[..., Any] | None = None
-    # Optional, CPU native (kernels/cpu_native_ops.py): `decoder_layer(layer, positions, hidden,
-    # residual, kv_cache, attn, rope) -> (hidden, residual)` runs a whole decoder layer (the model calls
-    # it in place of `layer(...)`; it may just call the layer). None: the layers run their forward.
-    decoder_layer: Callable[..., Any] | None = None
+    # Optional, CPU native (kernels/cpu_native_ops.py): `decoder_layers(layers, positions, hidden,
+    # residual, kv_caches, attn, rope) -> (hidden, residual)` runs consecutive decoder layers, each with
+    # its cache (the model calls it in place of `layer(...)` for each; it may just call the layers).
+    # None: the layers run their forward.
+    decoder_layers: Callable[..., Any] | None = None
     # Optional, CPU: a decoder's MLP over more rows than this runs `mlp_chunk_rows` rows at a time
     # (engine/models/row_chunks.py), so its [rows, intermediate] product stays in cache
     # (kernels/cpu_linear.py MLP_CHUNK_ROWS). None: all rows at once.

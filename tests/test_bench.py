@@ -281,9 +281,9 @@ def test_op_times_script_times_every_op_inside_the_step():
     total = times.pop("execute_model (all of the step's model work)")
     # the path's own pieces are timed: the whole-layer call and the packed head where the ops have them
     ops_line = next(line for line in done.stdout.splitlines() if line.startswith("ops "))
-    assert ("decoder_layer" in times) == ("fused decoder layer on" in ops_line)
+    assert ("decoder_layers" in times) == ("fused decoder layers on" in ops_line)
     assert ("linear logits_head" in times) == ("logits head packed" in ops_line)
-    if "fused decoder layer on" not in ops_line:
+    if "fused decoder layers on" not in ops_line:
         assert "paged_attention" in times and "linear qkv" in times  # the layers ran op by op
     assert 0 < sum(times.values()) <= total + 0.0005 * len(times)  # printed to the millisecond
     assert "linear qkv" in done.stdout.split("mixed steps:")[1]  # the prompt step runs the layers op by op

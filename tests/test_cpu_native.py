@@ -481,7 +481,7 @@ def test_get_ops_binds_the_tiers_native_kernels(native, dtype):
     from vbatch.kernels.ops import get_ops
     ops = get_ops("cpu", dtype, cpu_tier=native.tier)
     assert ops.cpu_tier is native.tier and ops.native is native
-    assert ops.decoder_layer is not None and ops.paged_attention.__self__.kernels is native
+    assert ops.decoder_layers is not None and ops.paged_attention.__self__.kernels is native
     half = get_ops("cpu", torch.float32, prefer_half=True, cpu_tier=native.tier)
     # dtype auto on an fp32 tier: weights and KV cache in the tier's half format
     assert half.weight_dtype == half.kv_cache_dtype == native.tier.half_dtype
@@ -502,7 +502,7 @@ def test_this_cpu_runs_its_own_fast_path():
     for dtype in (torch.float32, torch.bfloat16) if best.bf16_compute else (torch.float32,):
         ops = get_ops("cpu", dtype)
         assert ops.cpu_tier is best and ops.native is not None and ops.native.tier is best, dtype
-        assert ops.decoder_layer is not None and ops.paged_attention.__self__.kernels is ops.native
+        assert ops.decoder_layers is not None and ops.paged_attention.__self__.kernels is ops.native
 
 
 def test_without_the_native_build_the_ops_keep_the_torch_paths(monkeypatch):
@@ -513,7 +513,7 @@ def test_without_the_native_build_the_ops_keep_the_torch_paths(monkeypatch):
     tier = cpu_features.selected_tier()
     monkeypatch.setattr(cpu_native, "_loaded", {tier.name: None})
     ops = get_ops("cpu", torch.float32)
-    assert ops.native is None and ops.decoder_layer is None and ops.paged_attention is attention_ref.paged_attention
+    assert ops.native is None and ops.decoder_layers is None and ops.paged_attention is attention_ref.paged_attention
     packed = ops.pack_linear(torch.nn.Linear(64, 32))
     assert packed.native is None and packed.small_weight is None     # no second copy of the weights
     assert ops.weight_dtype == torch.float32 and get_ops("cpu", torch.float32, prefer_half=True).weight_dtype \
@@ -565,11 +565,11 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weight
     model = get_model_class(config)(config, dtype=act, device="cpu", ops=ops)
     model.load_weights(hf.state_dict().items())
     model.finalize_weights()                                   # as the model runner does: packed linears
-    assert ops.decoder_layer.__self__._layer_struct(model.layers[0]) is not None
+    assert ops.decoder_layers.__self__._layer_struct(model.layers[0]) is not None
     calls = []
-    real = cpu_native.NativeKernels.decoder_layer
-    monkeypatch.setattr(cpu_native.NativeKernels, "decoder_layer",
-                        lambda self, *a: calls.append(a[4].shape[0]) or real(self, *a))
+    real = cpu_native.NativeKernels.decoder_layers
+    monkeypatch.setattr(cpu_native.NativeKernels, "decoder_layers",
+                        lambda self, *a: calls.append((a[4].shape[0], len(a[0]))) or real(self, *a))
     for rows in (1, 2, 4, 5):                   # decode steps of 1, 2 and 4 rows are fused; 5 are not
         seqs = prompts(config.vocab_size, [6, 3, 9, 4, 5][:rows], seed=rows)
         runs = {}
@@ -584,5 +584,6 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weight
             runs[fused] = logits
         for got, want in zip(runs[True], runs[False], strict=True):
             assert torch.equal(got, want), rows
-    # fused: the 3 decode steps of every layer at 1, 2 and 4 rows (the prefills have more than 4 tokens)
-    assert sorted(set(calls)) == [1, 2, 4] and len(calls) == 3 * 3 * config.num_hidden_layers
+    # fused: the 3 decode steps at 1, 2 and 4 rows, every layer in one call (the prefills have more
+    # than 4 tokens)
+    assert sorted(calls) == [(rows, config.num_hidden_layers) for rows in (1, 2, 4) for _ in range(3)]

@@ -101,8 +101,8 @@ def test_q8_0_is_what_the_engine_runs(quantized):
     for m in linears:
         assert m.quantization == "q8_0" and m.small_weight.dtype == torch.int8
         assert m.small_weight.shape == (m.out_features, q8_0.row_bytes(m.in_features))
-    # the fused decoder layer takes the Q8_0 rows (one native call per layer at decode)
-    native_ops = runner.ops.decoder_layer.__self__
+    # the fused decoder layers take the Q8_0 rows (one native call per decode step)
+    native_ops = runner.ops.decoder_layers.__self__
     assert all(native_ops._layer_struct(layer).weight_format == 3 for layer in model.layers)   # VB_WEIGHT_Q8_0
 
 

@@ -208,15 +208,18 @@ class LlamaForCausalLM(nn.Module):
             attn = self.ops.prepare_attention(attn)
             if output_rows is not None:
                 output_rows = OutputRows(output_rows.indices, self.ops.prepare_attention(output_rows.attn))
-        run = self.ops.decoder_layer  # CPU native: a whole layer per call at small batch
-        last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i == last and output_rows is not None:
-                hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope, output_rows)
-            elif run is None:
+        layers, kv_caches = tuple(self.layers), tuple(kv_caches)
+        # The last layer runs alone when it skips rows (output_rows); the others, one by one or, with
+        # CPU native ops at small batch, all in one call.
+        upto = len(layers) - 1 if output_rows is not None else len(layers)
+        if self.ops.decoder_layers is not None:
+            hidden, residual = self.ops.decoder_layers(layers[:upto], positions, hidden, residual, kv_caches[:upto],
+                                                       attn, rope)
+        else:
+            for layer, kv_cache in zip(layers[:upto], kv_caches[:upto], strict=True):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope)
-            else:
-                hidden, residual = run(layer, positions, hidden, residual, kv_cache, attn, rope)
+        if output_rows is not None:
+            hidden, residual = layers[-1](positions, hidden, residual, kv_caches[-1], attn, rope, output_rows)
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.shape.rms_norm_eps)
         return hidden  # [T or N, hidden]
 

@@ -56,7 +56,7 @@ int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const floa
 int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
                        int64_t ldy, int m, int n, int k, int vnni, int num_threads);
 
-/* cpu_decoder_layer.c: one Llama-family decoder layer for 1-8 tokens in one call. Norms, biases and
+/* cpu_decoder_layer.c: consecutive Llama-family decoder layers for 1-8 tokens in one call. Norms, biases and
  * activations are act_t (the model's dtype); the four weights are stored as weight_format says
  * (VB_WEIGHT_*: the model's dtype, or half precision for an fp32 model). kernels/cpu_native_ops.py
  * mirrors both structs in ctypes. */
@@ -85,11 +85,14 @@ typedef struct {
     act_t *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch rows: [rows, hidden / q+2kv / q / hidden / 2i / i] */
 } VbStep;
 
-/* hidden [rows, hidden_size]: the layer's input, replaced by its output (the MLP's);
- * residual [rows, hidden_size]: the residual stream, updated (first_layer: set from hidden).
- * Returns 0, or the attention/linear codes (1 unsupported shape, 2 out of memory). */
-int VB_ACT(vb_decoder_layer)(const VbLayer *L, const VbStep *S, kv_t *key_cache, kv_t *value_cache, act_t *hidden,
-                             act_t *residual, int first_layer, int num_threads);
+/* layers [num_layers]: consecutive layers, run in order; key_caches / value_caches [num_layers]: each
+ * layer's cache; hidden [rows, hidden_size]: the first layer's input, replaced by the last one's output
+ * (its MLP's); residual [rows, hidden_size]: the residual stream, updated (first_layer: layers[0] is
+ * the model's first, and the stream is set from hidden). Returns 0, or the attention/linear codes
+ * (1 unsupported shape, 2 out of memory). */
+int VB_ACT(vb_decoder_layers)(const VbLayer *layers, int num_layers, const VbStep *S, kv_t *const *key_caches,
+                              kv_t *const *value_caches, act_t *hidden, act_t *residual, int first_layer,
+                              int num_threads);
 
 /* cpu_sample.c: logits [rows, vocab] (rows row_stride apart); temperature [rows] (0: greedy); u [rows]
  * in [0, 1); out [rows]. Returns 0, or 2 when out of memory. */

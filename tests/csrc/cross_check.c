@@ -202,7 +202,8 @@ static void check_attention(int head_dim) {
 }
 
 /* Two decoder layers (hidden 64, 4 query heads and 2 kv heads of 16, intermediate 96) for a step of
- * 4 rows: a decode row at 21 positions and a 3-row chunk after 9, weights in `format`. */
+ * 4 rows: a decode row at 21 positions and a 3-row chunk after 9, weights in `format`. The first
+ * layer alone, then both in one call (their step's KV written again at the same slots). */
 static void check_decoder_layer(int format) {
     const int H = 64, nq = 4, nkv = 2, D = 16, I = 96, BS = 16, T = 4;
     const int Q = nq * D, KV = nkv * D, QKV = Q + 2 * KV;
@@ -235,21 +236,32 @@ static void check_decoder_layer(int format) {
     act_t *attn = calloc(T * Q, sizeof(act_t)), *proj = calloc(T * H, sizeof(act_t));
     act_t *gate_up = calloc(T * 2 * I, sizeof(act_t)), *act = calloc(T * I, sizeof(act_t));
     const VbStep step = {T, cos, sin_, slots, tables, 2, query_start, lens, 2, BS, normed, qkv, attn, proj, gate_up, act};
-    char name[32];
+    VbLayer layers[2];
+    void *owned[2][7];
     for (int l = 0; l < 2; ++l) {
         act_t *in_norm = acts(H, 1.0f), *post_norm = acts(H, 1.0f), *qkv_bias = acts(QKV, 0.1f);
         void *wqkv = weight(format, QKV, H), *wo = weight(format, H, Q), *wgu = weight(format, 2 * I, H);
         void *wd = weight(format, H, I);
         const VbLayer layer = {in_norm, post_norm, wqkv, qkv_bias, wo, NULL, wgu, NULL, wd, NULL,
-                             H, nq, nkv, D, I, format, 1e-5f, 1.0f / sqrtf((float)D)};
-        const int rc = VB_ACT(vb_decoder_layer)(&layer, &step, kc + (int64_t)l * 4 * BS * KV,
-                                                vc + (int64_t)l * 4 * BS * KV, hidden, residual, l == 0, 2);
-        snprintf(name, sizeof name, "decoder_layer f%d l%d rc", format, l);
-        record_int(name, rc);
-        snprintf(name, sizeof name, "decoder_layer f%d l%d", format, l);
-        record_acts(name, hidden, T * H);
-        free(in_norm), free(post_norm), free(qkv_bias), free(wqkv), free(wo), free(wgu), free(wd);
+                               H, nq, nkv, D, I, format, 1e-5f, 1.0f / sqrtf((float)D)};
+        layers[l] = layer;
+        void *mine[7] = {in_norm, post_norm, qkv_bias, wqkv, wo, wgu, wd};
+        memcpy(owned[l], mine, sizeof mine);
     }
+    kv_t *key_caches[2] = {kc, kc + (int64_t)4 * BS * KV}, *value_caches[2] = {vc, vc + (int64_t)4 * BS * KV};
+    char name[32];
+    int rc = VB_ACT(vb_decoder_layers)(layers, 1, &step, key_caches, value_caches, hidden, residual, 1, 2);
+    snprintf(name, sizeof name, "decoder_layer f%d l0 rc", format);
+    record_int(name, rc);
+    snprintf(name, sizeof name, "decoder_layer f%d l0", format);
+    record_acts(name, hidden, T * H);
+    rc = VB_ACT(vb_decoder_layers)(layers, 2, &step, key_caches, value_caches, hidden, residual, 0, 2);
+    snprintf(name, sizeof name, "decoder_layer f%d l0-1 rc", format);
+    record_int(name, rc);
+    snprintf(name, sizeof name, "decoder_layer f%d l0-1", format);
+    record_acts(name, hidden, T * H);
+    for (int l = 0; l < 2; ++l)
+        for (int j = 0; j < 7; ++j) free(owned[l][j]);
     free(kc), free(vc), free(cos), free(sin_), free(hidden), free(residual), free(normed), free(qkv), free(attn);
     free(proj), free(gate_up), free(act);
 }
