@@ -119,7 +119,10 @@ def build_spec(args, workdir: Path) -> dict:
 
 
 def worker_env(threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+    """Every system's environment: the threads pinned; the OpenMP wait as the user left it (vbatch
+    sets its own default in its process, kernels/openmp_env.py; the peers keep theirs)."""
+    from vbatch.kernels.openmp_env import without_defaults
+    env = dict(without_defaults(os.environ), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2", TOKENIZERS_PARALLELISM="false",
                VLLM_LOGGING_LEVEL="WARNING")
     return env

@@ -32,7 +32,8 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
     weights = "".join(f", {report[key]} {what}" for key, what in (("weight_dtype", "weights"), ("kv_cache_dtype", "KV cache"))
                       if report.get(key, report["dtype"]) != report["dtype"])
     tier = f", {report['cpu_tier']} kernels" if report.get("cpu_tier") else ""
-    lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {report['threads']} threads{gemm}), "
+    wait = f", {report['openmp_wait']}" if report.get("openmp_wait") else ""
+    lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {report['threads']} threads{wait}{gemm}), "
              f"engine built in {report['engine_build_s']:.1f} s (not timed)"]
     if report.get("compile_description"):
         lines.append(f"  compiled at start-up (inside the build): {report['compile_description']}")
@@ -166,6 +167,8 @@ def throughput(
         from ..kernels.cpu_features import detect
         report["cpu_tier"] = ops.cpu_tier.name if ops.native is not None else f"{ops.cpu_tier.name} (not built)"
         report["cpu_flags"] = detect().deciding_flags
+        from ..kernels.openmp_env import describe
+        report["openmp_wait"] = describe()   # how the OpenMP threads wait between parallel regions
     from ..kernels.cpu_linear import describe
     gemm = describe(llm.engine.runner.model)
     if gemm is not None:

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .kernels import openmp_env
+
+# Before anything imports torch (and with it the OpenMP runtime): kernels/openmp_env.py.
+openmp_env.apply_defaults()
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 

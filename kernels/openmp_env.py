@@ -1,0 +1,58 @@
+"""The OpenMP runtime's wait policy, set before torch loads it (torch-free: imported by vbatch/__init__.py).
+
+    apply_defaults() -> str | None   what vbatch set (None: the user's setting, or too late)
+    describe() -> str                the wait setting in effect, for reports (`vbatch bench`)
+    without_defaults(env) -> dict    env less what vbatch set (for peers' processes: their own defaults)
+    DEFAULT_SPIN_COUNT               libgomp's spins before a waiting thread sleeps, vbatch's default
+
+The native kernels and torch share one OpenMP runtime, torch's libgomp (kernels/cpu_native.py).
+libgomp reads its environment once, when torch's import loads it; so this must run before the first
+`import torch` of the process, and does: every entry point imports the `vbatch` package first.
+
+NOTE: why 10,000 spins instead of libgomp's 300,000 (docs/performance.md, session 18). With the
+default, a worker keeps spinning through the engine's Python between steps. On the 2-vCPU VMs
+these issues are worked on, that gave batch-1 decode on the fp32-arithmetic (avx2) tier steps that
+ran uniformly twice as slow, 11-25% of them; with 10,000 none, and the step 6-17% faster, the
+avx512-bf16 tier and large batches within noise. Sleeping much sooner (0-1,000 spins, or
+OMP_WAIT_POLICY=passive) is far worse: the barriers inside a step then sleep too. Intel's runtime
+is tuned the same way by its users (KMP_BLOCKTIME=1). A user's own GOMP_SPINCOUNT or
+OMP_WAIT_POLICY is left alone, and so is every other OpenMP runtime (they ignore the variable).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+DEFAULT_SPIN_COUNT = "10000"
+_USER_KNOBS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+_applied: str | None = None   # what apply_defaults set in this process
+
+
+def apply_defaults() -> str | None:
+    """Set GOMP_SPINCOUNT to DEFAULT_SPIN_COUNT unless the user chose a wait policy, or torch (and so
+    libgomp) is already loaded, where the setting could no longer take effect."""
+    global _applied
+    if "torch" in sys.modules or any(k in os.environ for k in _USER_KNOBS):
+        return None
+    os.environ["GOMP_SPINCOUNT"] = _applied = DEFAULT_SPIN_COUNT
+    return _applied
+
+
+def _ours(env) -> bool:
+    return _applied is not None and env.get("GOMP_SPINCOUNT") == _applied
+
+
+def describe() -> str:
+    """E.g. "GOMP_SPINCOUNT=10000 (vbatch's default)", "OMP_WAIT_POLICY=active", or the runtime's default."""
+    knobs = [f"{k}={os.environ[k]}" for k in _USER_KNOBS if k in os.environ]
+    if not knobs:
+        return "the OpenMP runtime's default wait"
+    return ", ".join(knobs) + (" (vbatch's default)" if _ours(os.environ) else "")
+
+
+def without_defaults(env) -> dict:
+    """A copy of `env` without the variable apply_defaults set (a user's own setting stays)."""
+    out = dict(env)
+    if _ours(out):
+        del out["GOMP_SPINCOUNT"]
+    return out
