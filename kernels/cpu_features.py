@@ -26,11 +26,11 @@ import functools
 import os
 import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ..engine.errors import ConfigError
+from .cpuinfo import BF16_TIER_NAME, TIER_ENV, read_cpuinfo
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class CpuTier:
 
 
 AVX512_BF16 = CpuTier(
-    name="avx512-bf16",
+    name=BF16_TIER_NAME,
     required_flags=frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}),
     compile_flags=("-march=native",),
     half_dtype=torch.float16,
@@ -76,7 +76,6 @@ PORTABLE = CpuTier(
                 "bf16-stored weights",
 )
 TIERS = (AVX512_BF16, AVX2, PORTABLE)  # fastest first
-TIER_ENV = "VBATCH_CPU_TIER"
 
 
 @dataclass(frozen=True)
@@ -114,28 +113,9 @@ class CpuFeatures:
         return " ".join(have) + (", no " + ", no ".join(missing) if missing else "")
 
 
-def _read_cpuinfo() -> tuple[str, str, frozenset[str]]:
-    """(model name, vendor_id, flags) of the first processor in /proc/cpuinfo."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown", "", frozenset()
-    model, vendor, flags = "unknown", "", frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("model name", "cpu model", "hardware") and model == "unknown":
-            model = value.strip()
-        elif key == "vendor_id" and not vendor:
-            vendor = value.strip()
-        elif key in ("flags", "features") and not flags:
-            flags = frozenset(value.split())
-    return model, vendor, flags
-
-
 @functools.cache
 def detect() -> CpuFeatures:
-    model, vendor, flags = _read_cpuinfo()
+    model, vendor, flags = read_cpuinfo()
     return CpuFeatures(machine=platform.machine(), model_name=model, flags=flags, vendor=vendor)
 
 

@@ -1,6 +1,6 @@
 """The OpenMP runtime's wait policy, set before torch loads it (torch-free: imported by vbatch/__init__.py).
 
-    apply_defaults() -> str | None   what vbatch set (None: the user's setting, or too late)
+    apply_defaults() -> str | None   what vbatch set (None: nothing: the user's setting, a bf16 CPU, too late)
     describe() -> str                the wait setting in effect, for reports (`vbatch bench`)
     without_defaults(env) -> dict    env less what vbatch set (for peers' processes: their own defaults)
     DEFAULT_SPIN_COUNT               libgomp's spins before a waiting thread sleeps, vbatch's default
@@ -11,28 +11,39 @@ libgomp reads its environment once, when torch's import loads it; so this must r
 
 NOTE: why 10,000 spins instead of libgomp's 300,000 (docs/performance.md, session 18). With the
 default, a worker keeps spinning through the engine's Python between steps. On the 2-vCPU VMs
-these issues are worked on, that gave batch-1 decode on the fp32-arithmetic (avx2) tier steps that
-ran uniformly twice as slow, 11-25% of them; with 10,000 none, and the step 6-17% faster, the
-avx512-bf16 tier and large batches within noise. Sleeping much sooner (0-1,000 spins, or
-OMP_WAIT_POLICY=passive) is far worse: the barriers inside a step then sleep too. Intel's runtime
-is tuned the same way by its users (KMP_BLOCKTIME=1). A user's own GOMP_SPINCOUNT or
-OMP_WAIT_POLICY is left alone, and so is every other OpenMP runtime (they ignore the variable).
+these issues are worked on, batch-1 decode on the fp32-arithmetic avx2 tier then had steps that
+ran uniformly twice as slow, 11-25% of them; with 10,000 none, and the step 6-17% faster. Large
+batches were within noise (-1-3%), and so was the avx512-bf16 tier, though below zero each time
+(-1-2%): so only the fp32-arithmetic tiers get it, i.e. a CPU without avx512_bf16 or a lower tier
+forced with VBATCH_CPU_TIER (the portable tier by extension: same arithmetic, not measured apart).
+Sleeping much sooner (0-1,000 spins, or OMP_WAIT_POLICY=passive) is far worse: the barriers
+inside a step then sleep too. Intel's runtime is tuned the same way by its users (KMP_BLOCKTIME=1).
+A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone, and so is every other OpenMP
+runtime (they ignore the variable).
 """
 from __future__ import annotations
 
 import os
 import sys
 
+from .cpuinfo import BF16_TIER_NAME, TIER_ENV, read_cpuinfo
+
 DEFAULT_SPIN_COUNT = "10000"
 _USER_KNOBS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 _applied: str | None = None   # what apply_defaults set in this process
 
 
+def _fp32_tier() -> bool:
+    """Whether the native kernels will compute in fp32: a lower tier forced, or no avx512_bf16."""
+    forced = os.environ.get(TIER_ENV, "").strip()
+    return forced != BF16_TIER_NAME if forced else "avx512_bf16" not in read_cpuinfo()[2]
+
+
 def apply_defaults() -> str | None:
-    """Set GOMP_SPINCOUNT to DEFAULT_SPIN_COUNT unless the user chose a wait policy, or torch (and so
-    libgomp) is already loaded, where the setting could no longer take effect."""
+    """Set GOMP_SPINCOUNT to DEFAULT_SPIN_COUNT for the fp32-arithmetic tiers, unless the user chose
+    a wait policy or torch (and so libgomp) is already loaded, where it could no longer take effect."""
     global _applied
-    if "torch" in sys.modules or any(k in os.environ for k in _USER_KNOBS):
+    if "torch" in sys.modules or any(k in os.environ for k in _USER_KNOBS) or not _fp32_tier():
         return None
     os.environ["GOMP_SPINCOUNT"] = _applied = DEFAULT_SPIN_COUNT
     return _applied

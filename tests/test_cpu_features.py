@@ -11,7 +11,7 @@ import torch
 
 from vbatch.engine.device import cpu_has_fast_bf16, resolve_dtype, resolve_kv_cache_dtype, resolve_weight_dtype
 from vbatch.engine.errors import ConfigError
-from vbatch.kernels import cpu_features
+from vbatch.kernels import cpu_features, cpuinfo
 from vbatch.kernels.cpu_features import AVX2, AVX512_BF16, PORTABLE, CpuFeatures
 
 ZEN4 = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi2 avx512f avx512dq avx512cd avx512bw "
@@ -59,8 +59,8 @@ def test_cpuinfo_is_parsed_for_x86_and_arm(tmp_path, monkeypatch):
                                       (intel, "Intel(R) Xeon(R) Processor", "GenuineIntel", AVX512_BF16)):
         path = tmp_path / "cpuinfo"
         path.write_text(text)
-        monkeypatch.setattr(cpu_features, "Path", lambda _p, path=path: path)
-        got_model, got_vendor, flags = cpu_features._read_cpuinfo()
+        monkeypatch.setattr(cpuinfo, "Path", lambda _p, path=path: path)
+        got_model, got_vendor, flags = cpuinfo.read_cpuinfo()
         cpu = CpuFeatures("m", got_model, flags, got_vendor)
         assert (got_model, got_vendor) == (model, vendor) and cpu.tiers[0] is tier
         assert cpu.is_amd == (vendor == "AuthenticAMD")

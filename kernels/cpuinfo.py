@@ -1,0 +1,34 @@
+"""This CPU as /proc/cpuinfo describes it, without torch (kernels/openmp_env.py reads it before torch loads).
+
+    read_cpuinfo() -> (model name, vendor_id, flags)   of the first processor listed
+    TIER_ENV                                           the variable that forces a native-kernel tier
+    BF16_TIER_NAME                                     the tier that computes in bf16 (kernels/cpu_features.py)
+
+The tiers themselves, and what each needs, are kernels/cpu_features.py's.
+"""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+TIER_ENV = "VBATCH_CPU_TIER"
+BF16_TIER_NAME = "avx512-bf16"
+
+
+def read_cpuinfo() -> tuple[str, str, frozenset[str]]:
+    """(model name, vendor_id, flags) of the first processor in /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown", "", frozenset()
+    model, vendor, flags = "unknown", "", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model", "hardware") and model == "unknown":
+            model = value.strip()
+        elif key == "vendor_id" and not vendor:
+            vendor = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = frozenset(value.split())
+    return model, vendor, flags
