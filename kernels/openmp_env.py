@@ -9,13 +9,14 @@ The native kernels and torch share one OpenMP runtime, torch's libgomp (kernels/
 libgomp reads its environment once, when torch's import loads it; so this must run before the first
 `import torch` of the process, and does: every entry point imports the `vbatch` package first.
 
-NOTE: why 10,000 spins instead of libgomp's 300,000 (docs/performance.md, session 18). With the
+NOTE: why 30,000 spins instead of libgomp's 300,000 (docs/performance.md, session 18). With the
 default, a worker keeps spinning through the engine's Python between steps. On the 2-vCPU VMs
-these issues are worked on, batch-1 decode on the fp32-arithmetic avx2 tier then had steps that
-ran uniformly twice as slow, 11-25% of them; with 10,000 none, and the step 6-17% faster. Large
-batches were within noise (-1-3%), and so was the avx512-bf16 tier, though below zero each time
-(-1-2%): so only the fp32-arithmetic tiers get it, i.e. a CPU without avx512_bf16 or a lower tier
-forced with VBATCH_CPU_TIER (the portable tier by extension: same arithmetic, not measured apart).
+these issues are worked on, batch-1 decode on the fp32-arithmetic avx2 tier then had, at times,
+steps that ran uniformly twice as slow (11-25% of them); with 10,000-30,000 spins none, and batch
+1 6-17% faster. 10,000 cost large batches 1-3% each time it was measured, 30,000 0.5% (noise).
+The avx512-bf16 tier lost 1-2% each time (at 10,000), so only the fp32-arithmetic tiers get it,
+i.e. a CPU without avx512_bf16 or a lower tier forced with VBATCH_CPU_TIER (the portable tier by
+extension: the same arithmetic, not measured apart).
 Sleeping much sooner (0-1,000 spins, or OMP_WAIT_POLICY=passive) is far worse: the barriers
 inside a step then sleep too. Intel's runtime is tuned the same way by its users (KMP_BLOCKTIME=1).
 A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone, and so is every other OpenMP
@@ -28,7 +29,7 @@ import sys
 
 from .cpuinfo import BF16_TIER_NAME, TIER_ENV, read_cpuinfo
 
-DEFAULT_SPIN_COUNT = "10000"
+DEFAULT_SPIN_COUNT = "30000"
 _USER_KNOBS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 _applied: str | None = None   # what apply_defaults set in this process
 
@@ -54,7 +55,7 @@ def _ours(env) -> bool:
 
 
 def describe() -> str:
-    """E.g. "GOMP_SPINCOUNT=10000 (vbatch's default)", "OMP_WAIT_POLICY=active", or the runtime's default."""
+    """E.g. "GOMP_SPINCOUNT=30000 (vbatch's default)", "OMP_WAIT_POLICY=active", or the runtime's default."""
     knobs = [f"{k}={os.environ[k]}" for k in _USER_KNOBS if k in os.environ]
     if not knobs:
         return "the OpenMP runtime's default wait"

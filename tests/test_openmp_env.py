@@ -31,8 +31,8 @@ def test_importing_vbatch_first_gives_libgomp_the_short_spin_on_the_fp32_tiers()
         spins, described = _runtime_spin_count(
             "import vbatch, torch; torch.ones(1); from vbatch.kernels import openmp_env; print(openmp_env.describe())",
             VBATCH_CPU_TIER=tier)
-        assert spins == openmp_env.DEFAULT_SPIN_COUNT == "10000"
-        assert described == "GOMP_SPINCOUNT=10000 (vbatch's default)"
+        assert spins == openmp_env.DEFAULT_SPIN_COUNT == "30000"
+        assert described == "GOMP_SPINCOUNT=30000 (vbatch's default)"
 
 
 def test_the_bf16_tier_keeps_libgomps_default():
@@ -71,8 +71,8 @@ def test_after_torch_it_is_too_late_and_says_so():
 
 
 def test_peers_get_the_environment_without_vbatchs_default(monkeypatch):
-    monkeypatch.setattr(openmp_env, "_applied", "10000")
-    assert "GOMP_SPINCOUNT" not in openmp_env.without_defaults({"GOMP_SPINCOUNT": "10000", "PATH": "/bin"})
+    monkeypatch.setattr(openmp_env, "_applied", "30000")
+    assert openmp_env.without_defaults({"GOMP_SPINCOUNT": "30000", "PATH": "/bin"}) == {"PATH": "/bin"}
     assert openmp_env.without_defaults({"GOMP_SPINCOUNT": "5"}) == {"GOMP_SPINCOUNT": "5"}  # the user's own
     monkeypatch.setattr(openmp_env, "_applied", None)   # vbatch set nothing: nothing is removed
-    assert openmp_env.without_defaults({"GOMP_SPINCOUNT": "10000"}) == {"GOMP_SPINCOUNT": "10000"}
+    assert openmp_env.without_defaults({"GOMP_SPINCOUNT": "30000"}) == {"GOMP_SPINCOUNT": "30000"}
