@@ -474,6 +474,25 @@ def test_native_greedy_is_the_first_argmax(native, logits_dtype):
     assert sample(reqs, big, native=native).sampled_token_ids.tolist() == big.float().argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("vocab", [49_152, 49_152 + 37, 700])   # whole chunks of 32 vectors; a tail; chunks of 8/4 lanes only
+def test_native_greedy_first_argmax_across_chunks_and_tail(native, logits_dtype, vocab):
+    # The vectorised argmax (cpu_sample.c) scans chunks then one chunk: planted maxima at chunk
+    # edges, ties in different chunks, a maximum in the tail, ties between a chunk and the tail, and
+    # rows with nothing above -inf. Oracle: torch's argmax (the first maximal index).
+    torch.manual_seed(vocab)
+    cases = [[0], [vocab - 1], [255], [256], [511, 512], [4096, 100], [vocab - 30, 300], [vocab - 2, vocab - 1]]
+    rows = []
+    for planted in cases:
+        row = torch.randn(vocab)
+        row[[p % vocab for p in planted]] = 10.0
+        rows.append(row)
+    rows.append(torch.full((vocab,), float("-inf")))
+    rows.append(torch.randn(vocab).round())           # many ties at the maximum (small integers)
+    logits = torch.stack(rows).to(logits_dtype)
+    reqs = [make_request(i, vocab=vocab, temperature=0.0) for i in range(len(rows))]
+    assert sample(reqs, logits, native=native).sampled_token_ids.tolist() == logits.float().argmax(-1).tolist()
+
+
 def test_native_rows_that_need_more_than_a_temperature_take_the_torch_path(native, logits_dtype):
     torch.manual_seed(3)
     logits = torch.randn(4, VOCAB).to(logits_dtype)

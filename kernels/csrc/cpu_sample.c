@@ -18,14 +18,40 @@
 
 #include "vb_kernels.h"
 
-static int64_t argmax_row(const act_t *row, int vocab) {  /* first index of the largest value */
+/* Scalar reference of argmax_row, and its rule: the first index of the largest value, NaN never
+ * chosen, 0 when nothing exceeds -FLT_MAX. */
+static int64_t argmax_scalar(const act_t *row, int64_t begin, int64_t end, float *best_out) {
     float best = -FLT_MAX;
-    int64_t at = 0;
-    for (int i = 0; i < vocab; ++i) {
+    int64_t at = -1;
+    for (int64_t i = begin; i < end; ++i) {
         const float x = act_to_float(row[i]);
         if (x > best) { best = x; at = i; }
     }
+    *best_out = best;
     return at;
+}
+
+/* The same rule in two vector passes: each chunk's maximum (max_lanes keeps the running maximum
+ * when a lane is NaN), the first chunk holding the row's largest, then its first index in that
+ * chunk. NOTE: why. The scalar loop's compare-and-branch does not vectorise: 130 us for one row of
+ * 49k fp32 logits (a batch-1 step is ~11 ms); this reads the row once plus one chunk. */
+enum { ARGMAX_CHUNK = 32 * VL };
+static int64_t argmax_row(const act_t *row, int vocab) {
+    const int64_t chunks = vocab / ARGMAX_CHUNK;
+    float best = -FLT_MAX;
+    int64_t best_chunk = -1;
+    for (int64_t c = 0; c < chunks; ++c) {
+        vf m = splat(-FLT_MAX);
+        for (int i = 0; i < ARGMAX_CHUNK; i += VL) m = max_lanes(m, load_act(row + c * ARGMAX_CHUNK + i));
+        const float chunk_max = hmax(m);
+        if (chunk_max > best) { best = chunk_max; best_chunk = c; }
+    }
+    float tail_best;
+    const int64_t tail_at = argmax_scalar(row, chunks * ARGMAX_CHUNK, vocab, &tail_best);
+    if (tail_at >= 0 && tail_best > best) return tail_at;
+    if (best_chunk < 0) return 0;
+    float unused;
+    return argmax_scalar(row, best_chunk * ARGMAX_CHUNK, (best_chunk + 1) * ARGMAX_CHUNK, &unused);
 }
 
 static int64_t sample_row(const act_t *row, int vocab, float temperature, float u, float *block_sums) {
