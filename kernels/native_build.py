@@ -67,16 +67,6 @@ KV_SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC 
 KV_ENTRY_POINTS = ("vb_paged_attention", "vb_linear_small", "vb_rms_norm", "vb_silu_and_mul", "vb_rotary",
                    "vb_write_kv", "vb_decoder_layers")
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") or line.startswith("Features"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
 def _cache_dir() -> Path:
     return Path(os.environ.get("VBATCH_CACHE", Path.home() / ".cache" / "vbatch")) / "kernels"
 
@@ -121,7 +111,8 @@ def build(tier: CpuTier, compiler: str | None = None, cpu: CpuFeatures | None = 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     flags = build_flags(tier, cpu)
     texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
-    target_cpu = _cpu_flags() if cpu is None else f"{cpu.machine} {' '.join(sorted(cpu.flags))}"
+    for_cpu = cpu or detect()
+    target_cpu = f"{for_cpu.machine} {' '.join(sorted(for_cpu.flags))}"
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, target_cpu, tier.name]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "libvbatch_cpu.so"
     if target.exists():

@@ -66,6 +66,27 @@ def test_cpuinfo_is_parsed_for_x86_and_arm(tmp_path, monkeypatch):
         assert cpu.is_amd == (vendor == "AuthenticAMD")
 
 
+def test_cpuinfo_stops_after_the_first_processor(monkeypatch):
+    # x86 names the model and the flags in the first block: nothing after it is read (the kernel
+    # writes /proc/cpuinfo per processor, costly on machines of hundreds of cores)
+    first = ["processor\t: 0\n", "vendor_id\t: AuthenticAMD\n", "model name\t: AMD EPYC 7B13\n",
+             "flags\t\t: " + ZEN3 + "\n", "\n"]
+
+    class Lines:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def __iter__(self):
+            yield from first
+            raise AssertionError("read past the first processor")
+
+    monkeypatch.setattr(cpuinfo, "Path", lambda _p: type("P", (), {"open": lambda self: Lines()})())
+    assert cpuinfo.read_cpuinfo()[:2] == ("AMD EPYC 7B13", "AuthenticAMD")
+
+
 def test_this_machine_runs_what_its_flags_say():
     cpu = cpu_features.detect()
     assert cpu.tiers[-1] is PORTABLE
