@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -38,6 +39,22 @@ def test_console_script_version():
     proc = subprocess.run([sys.executable, "-m", "vbatch.cli.main", "--version"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"vbatch {__version__}"
+
+
+def test_run_from_the_checkout_root_does_not_shadow_the_pypi_kernels_package():
+    # `python -m vbatch...` from the checkout's root puts the root on sys.path, where the folder
+    # kernels/ would be the top-level module `kernels` that transformers (>= 5.25) imports from PyPI
+    # when it loads a model's config. Importing vbatch takes the root off the path again.
+    root = Path(__file__).resolve().parents[1]
+    code = ("import importlib.util, os, sys; import vbatch; spec = importlib.util.find_spec('kernels'); "
+            "print(any(os.path.abspath(p or '.') == os.getcwd() for p in sys.path), "
+            "spec is not None and os.path.dirname(os.path.abspath(spec.origin or '')) == os.path.join(os.getcwd(), 'kernels'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False"]
+    load = "import vbatch; from transformers import AutoConfig; AutoConfig.for_model('llama'); print('ok')"
+    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 def test_command_help_has_vllm_flag_names():

@@ -1,9 +1,28 @@
 """vbatch: offline batch inference. `from vbatch import LLM, SamplingParams` mirrors vLLM's API."""
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
-from .kernels import openmp_env
+
+def _leave_the_checkout_root_off_sys_path() -> None:
+    """Drop the source checkout's root from sys.path, where `python -m` / `python -c` run from it put it.
+
+    NOTE: why. The checkout's top-level folders install as vbatch.* (pyproject.toml's package-dir),
+    but with the root on sys.path its `kernels/` is also the top-level module `kernels`, and shadows
+    the PyPI package of that name, which transformers (>= 5.25, a dependency) imports when it loads a
+    model's config: "cannot import name 'CUDAProperties' from 'kernels'". vbatch's own modules
+    import through the installed mapping, never from the root."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "kernels", "openmp_env.py")):
+        return  # an installed copy (site-packages/vbatch): no checkout around it
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+
+
+_leave_the_checkout_root_off_sys_path()
+
+from .kernels import openmp_env  # noqa: E402  (after the sys.path fix: it imports nothing outside vbatch)
 
 # Before anything imports torch (and with it the OpenMP runtime): kernels/openmp_env.py.
 openmp_env.apply_defaults()
