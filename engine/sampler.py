@@ -143,7 +143,9 @@ def _sample_plain_rows_native(native, logits: torch.Tensor, meta: SamplingMetada
                               u: torch.Tensor | None) -> torch.Tensor:
     """Every row drawn by the native kernel (kernels/csrc/cpu_sample.c) straight from the model's
     logits as if it were plain (temperature only; greedy rows: argmax); the caller keeps the plain rows'."""
-    temperature = torch.zeros(meta.num_rows) if meta.temperature is None else meta.temperature.clone()
+    if meta.all_greedy:
+        return native.sample(logits, None, None, torch.get_num_threads())
+    temperature = meta.temperature.clone()
     if meta.is_greedy is not None:
         temperature[meta.is_greedy] = 0.0
     return native.sample(logits, temperature, torch.zeros(meta.num_rows) if u is None else u, torch.get_num_threads())

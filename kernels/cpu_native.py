@@ -61,7 +61,8 @@ class VbStep(ctypes.Structure):
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
                 ("query_start", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("num_reqs", ctypes.c_int),
                 ("block_size", ctypes.c_int)] + [
-        (name, ctypes.c_void_p) for name in ("normed", "qkv", "attn", "proj", "gate_up", "act")]
+        (name, ctypes.c_void_p) for name in ("normed", "qkv", "attn", "proj", "gate_up", "act")] + [
+        ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float)]
 
 
 @dataclass(frozen=True)
@@ -256,32 +257,34 @@ class NativeKernels:
                                        and self.linear_small(probe, weights, None, 1) is not None)
         return self._probes[key]
 
-    def decoder_layers(self, layers: ctypes.Array, step: VbStep, key_caches: Sequence[torch.Tensor],
-                       value_caches: Sequence[torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor,
-                       first_layer: bool, num_threads: int) -> None:
+    def decoder_layers(self, layers: ctypes.Array, step: VbStep, key_caches: ctypes.Array, value_caches: ctypes.Array,
+                       kv_dtype: torch.dtype, hidden: torch.Tensor, residual: torch.Tensor, first_layer: bool,
+                       num_threads: int) -> None:
         """Consecutive layers in one call, in place: hidden [rows, hidden] becomes the last layer's
         output, residual the updated stream. layers: a ctypes array of VbLayer; key_caches and
-        value_caches: the layers' caches (contiguous, one dtype), as many as `layers`."""
-        n = len(layers)
-        assert len(key_caches) == len(value_caches) == n
-        pointers = ctypes.c_void_p * n
-        rc = self._fn("vb_decoder_layers", hidden.dtype, key_caches[0].dtype)(
-            layers, n, ctypes.byref(step), pointers(*(k.data_ptr() for k in key_caches)),
-            pointers(*(v.data_ptr() for v in value_caches)), hidden.data_ptr(), residual.data_ptr(),
+        value_caches: ctypes arrays of the layers' cache pointers (contiguous caches of kv_dtype), as
+        many as `layers`."""
+        assert len(key_caches) == len(value_caches) == len(layers)
+        rc = self._fn("vb_decoder_layers", hidden.dtype, kv_dtype)(
+            layers, len(layers), ctypes.byref(step), key_caches, value_caches, hidden.data_ptr(), residual.data_ptr(),
             int(first_layer), num_threads)
         if rc != 0:
             raise NativeKernelError(f"native decoder layers: {_ERRORS.get(rc, f'error {rc}')}")
 
-    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor | None, u: torch.Tensor | None,
                num_threads: int) -> torch.Tensor:
-        """logits [rows, vocab] fp32 / bf16 (unit element stride); temperature [rows] (0: greedy), u
-        [rows] in [0, 1) -> [rows] int64 token ids (cpu_sample.c)."""
+        """logits [rows, vocab] fp32 / bf16 (unit element stride); temperature [rows] (0: greedy; None:
+        every row greedy), u [rows] in [0, 1) (None when every row is greedy) -> [rows] int64 token ids
+        (cpu_sample.c)."""
         assert logits.stride(1) == 1
-        temperature = temperature.to(torch.float32).contiguous()
-        u = u.to(torch.float32).contiguous()
+        if temperature is not None:
+            temperature = temperature.to(torch.float32).contiguous()
+            u = u.to(torch.float32).contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         rc = self._fn("vb_sample", logits.dtype)(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
-                                                 temperature.data_ptr(), u.data_ptr(), out.data_ptr(), num_threads)
+                                                 None if temperature is None else temperature.data_ptr(),
+                                                 None if temperature is None else u.data_ptr(), out.data_ptr(),
+                                                 num_threads)
         if rc != 0:
             raise NativeKernelError(f"native sampler: {_ERRORS.get(rc, f'error {rc}')}")
         return out

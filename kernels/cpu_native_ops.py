@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
-import threading
+import operator
 
 import torch
 
@@ -45,23 +45,50 @@ def _heads_dense(t: torch.Tensor) -> bool:  # [T, H, D] with heads and elements 
     return t.dtype in NATIVE_DTYPES and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
-class _Step:
-    """The VbStep of one forward (shared by its layers) and the scratch rows it points into."""
+class _Stack:
+    """What one stack of layers keeps between forwards for the native call: its VbLayers, the
+    caches' pointer arrays, scratch rows for FUSED_LAYER_MAX_ROWS tokens and the VbStep pointing
+    into them (each forward rewrites the step's inputs). Kept on the stack's first layer.
 
-    def __init__(self, attn: AttentionMetadata, tables: cpu_rotary.RotaryTables, rows: int, layer,
-                 dtype: torch.dtype) -> None:
-        attention, mlp = layer.self_attn, layer.mlp
-        hidden, q = attention.o_proj.out_features, attention.q_size
-        qkv, inter = attention.qkv.out_features, mlp.down_proj.in_features
-        self.attn, self.tables = attn, tables  # keeps the pointed-to tensors alive, and the identity check
-        self.scratch = [torch.empty(rows, width, dtype=dtype)
-                        for width in (hidden, qkv, q, hidden, 2 * inter, inter)]
-        self.inputs = (tables[0].contiguous(), tables[1].contiguous(), attn.slot_mapping.contiguous(),
-                       attn.block_tables.contiguous(), attn.query_start_loc.contiguous(), attn.seq_lens.contiguous())
-        cos, sin, slots, tables_, starts, lens = self.inputs
-        self.struct = VbStep(rows, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables_.data_ptr(),
-                             tables_.stride(0), starts.data_ptr(), lens.data_ptr(), attn.num_reqs, attn.block_size,
-                             *(t.data_ptr() for t in self.scratch))
+    NOTE: why keep all this: each step used to rebuild it, about 60 tensor calls and six allocations
+    of Python, and the step runs it with cold caches (the weights just streamed through them), where
+    each torch call costs several microseconds (docs/performance.md, session 19). One forward at a
+    time per model, as for its KV cache."""
+
+    def __init__(self, kernels: NativeKernels, layer_ids: tuple[int, ...], layers: ctypes.Array, first_layer) -> None:
+        self.kernels, self.layer_ids, self.layers = kernels, layer_ids, layers
+        attention, mlp = first_layer.self_attn, first_layer.mlp
+        self.dtype = first_layer.input_layernorm.dtype
+        widths = (attention.o_proj.out_features, attention.qkv.out_features, attention.q_size,
+                  attention.o_proj.out_features, 2 * mlp.down_proj.in_features, mlp.down_proj.in_features)
+        self.scratch = [torch.empty(FUSED_LAYER_MAX_ROWS, w, dtype=self.dtype) for w in widths]
+        self.step = VbStep(0, None, None, None, None, 0, None, None, 0, 0, *(t.data_ptr() for t in self.scratch))
+        self.kv: tuple = ()                   # the (key, value) caches the pointer arrays were made for
+        self.kv_arrays: tuple | None = None   # (key pointers, value pointers, cache dtype); None: not native
+
+    def caches(self, kv_caches) -> tuple | None:
+        """(key pointers, value pointers, dtype) for these caches (the same objects as last time: kept)."""
+        if len(kv_caches) != len(self.kv) or not all(map(operator.is_, kv_caches, self.kv)):
+            dtype = kv_caches[0][0].dtype
+            ok = (all(k.dtype == v.dtype == dtype and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
+                  and has_variant(self.dtype, dtype))
+            pointers = ctypes.c_void_p * len(kv_caches)
+            self.kv_arrays = (pointers(*(k.data_ptr() for k, _ in kv_caches)),
+                              pointers(*(v.data_ptr() for _, v in kv_caches)), dtype) if ok else None
+            self.kv = tuple(kv_caches)
+        return self.kv_arrays
+
+    def point_at(self, attn: AttentionMetadata, tables: cpu_rotary.RotaryTables, rows: int) -> tuple:
+        """Points the step at this forward's inputs; returns them (the caller keeps them alive for the call)."""
+        inputs = (tables[0].contiguous(), tables[1].contiguous(), attn.slot_mapping.contiguous(),
+                  attn.block_tables.contiguous(), attn.query_start_loc.contiguous(), attn.seq_lens.contiguous())
+        cos, sin, slots, block_tables, starts, lens = inputs
+        st = self.step
+        st.rows, st.cos, st.signed_sin, st.slots = rows, cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
+        st.block_tables, st.table_stride = block_tables.data_ptr(), block_tables.stride(0)
+        st.query_start, st.seq_lens = starts.data_ptr(), lens.data_ptr()
+        st.num_reqs, st.block_size = attn.num_reqs, attn.block_size
+        return inputs
 
 
 class NativeOps:
@@ -69,7 +96,6 @@ class NativeOps:
 
     def __init__(self, kernels: NativeKernels) -> None:
         self.kernels = kernels
-        self._steps = threading.local()  # the current forward's step, per thread (two engines in two threads)
 
     def bind(self, ops):  # ops: kernels.ops.Ops -> Ops
         return dataclasses.replace(
@@ -179,40 +205,50 @@ class NativeOps:
         layer._vb_native_layer = (self.kernels, struct)
         return struct
 
-    def _stack(self, layers) -> ctypes.Array | None:
-        """The layers' VbLayers as one ctypes array, built once and kept on the first layer (None:
-        some layer is not all native)."""
-        ids = tuple(id(layer) for layer in layers)
+    def _stack(self, layers) -> _Stack | None:
+        """The layers' native state (_Stack), built once and kept on the first layer (None: some
+        layer is not all native)."""
+        ids = tuple(map(id, layers))
         cached = getattr(layers[0], "_vb_native_stack", None)
         if cached is not None and cached[0] is self.kernels and cached[1] == ids:
             return cached[2]
         structs = [self._layer_struct(layer) for layer in layers]
-        stack = None if any(s is None for s in structs) else (VbLayer * len(structs))(*structs)
+        stack = None if any(s is None for s in structs) else _Stack(
+            self.kernels, ids, (VbLayer * len(structs))(*structs), layers[0])
         layers[0]._vb_native_stack = (self.kernels, ids, stack)
         return stack
 
     def decoder_layers(self, layers, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                       kv_caches, attn: AttentionMetadata, rope) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       kv_caches, attn: AttentionMetadata, rope, final_norm: tuple[torch.Tensor, float] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`layer(positions, hidden, residual, kv_cache, attn, rope)` for each layer in turn (with its
-        own cache), in one native call when the step has at most FUSED_LAYER_MAX_ROWS tokens (decode
-        at small batch); the modules' own forward (the ops one by one) otherwise. Same results: each
-        step of the native layer is the native op."""
+        own cache), then with final_norm = (weight, eps) `fused_add_rms_norm(hidden, residual, weight,
+        eps)`: in one native call when the step has at most FUSED_LAYER_MAX_ROWS tokens (decode at
+        small batch); the modules' own forward and the op (the ops one by one) otherwise. Same results:
+        each step of the native layer is the native op."""
         rows = hidden.shape[0]
         stack = self._stack(layers) if layers and 0 < rows <= FUSED_LAYER_MAX_ROWS else None
-        if (stack is None or not isinstance(rope, tuple) or hidden.dtype != layers[0].input_layernorm.dtype
-                or rope[0].dtype != hidden.dtype or len({k.dtype for k, _ in kv_caches}) != 1
-                or not has_variant(hidden.dtype, kv_caches[0][0].dtype)
-                or not all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)):
+        caches = None
+        if (stack is not None and isinstance(rope, tuple) and hidden.dtype == stack.dtype
+                and rope[0].dtype == hidden.dtype):
+            caches = stack.caches(kv_caches)
+        if caches is None:
             for layer, kv_cache in zip(layers, kv_caches, strict=True):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope)
+            if final_norm is not None:
+                hidden, residual = self.fused_add_rms_norm(hidden, residual, *final_norm)
             return hidden, residual
-        step = getattr(self._steps, "current", None)
-        if step is None or step.attn is not attn or step.tables is not rope:
-            step = self._steps.current = _Step(attn, rope, rows, layers[0], hidden.dtype)
+        inputs = stack.point_at(attn, rope, rows)
+        norm = final_norm is not None and final_norm[0].dtype == hidden.dtype and final_norm[0].is_contiguous()
+        stack.step.final_norm = final_norm[0].data_ptr() if norm else None
+        stack.step.final_eps = final_norm[1] if norm else 0.0
         first = residual is None
         hidden = hidden.contiguous()
         if first:
             residual = torch.empty_like(hidden)
-        self.kernels.decoder_layers(stack, step.struct, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                                    hidden, residual, first, torch.get_num_threads())
+        self.kernels.decoder_layers(stack.layers, stack.step, *caches, hidden, residual, first,
+                                    torch.get_num_threads())
+        del inputs
+        if final_norm is not None and not norm:
+            hidden, residual = self.fused_add_rms_norm(hidden, residual, *final_norm)
         return hidden, residual

@@ -18,17 +18,45 @@ import torch
 RotaryTables = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [num_tokens, 1, head_dim]
 
 
+# The expanded tables of a whole cos/sin cache are kept (on the cache tensor) up to this size; a
+# longer cache (a 128k-position model) expands its rows step by step instead.
+EXPANDED_MAX_BYTES = 64 * 2**20
+
+
 def prepare_rotary(
     positions: torch.Tensor,      # [num_tokens] int64
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32: cos half, then sin half
     dtype: torch.dtype,
 ) -> RotaryTables:
-    """The per-token tables every layer of one step shares."""
-    cos_sin = cos_sin_cache.index_select(0, positions.to(torch.long))  # [T, head_dim]
+    """The per-token tables every layer of one step shares: rows of the cache's expanded tables
+    (made once per cache and dtype), or the cache's rows expanded when the whole would be too big.
+
+    NOTE: why keep the expanded tables: gathering and expanding the rows took nine small ops per
+    step; at batch 1 they run with cold caches (the weights just streamed through them) and cost
+    about 70 us of a 10.6 ms step; two gathers cost a third of that (docs/performance.md, session 19)."""
+    positions = positions.to(torch.long)
+    tables = _whole_tables(cos_sin_cache, dtype)
+    if tables is None:
+        return _expand(cos_sin_cache.index_select(0, positions), dtype)
+    return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
+
+
+def _expand(cos_sin: torch.Tensor, dtype: torch.dtype) -> RotaryTables:  # [N, head_dim] -> 2 x [N, 1, head_dim]
     half = cos_sin.shape[-1] // 2
     cos, sin = cos_sin[:, :half], cos_sin[:, half:]
     return (torch.cat((cos, cos), -1).unsqueeze(1).to(dtype),
             torch.cat((-sin, sin), -1).unsqueeze(1).to(dtype))
+
+
+def _whole_tables(cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> RotaryTables | None:
+    """The whole cache expanded in `dtype`, made on first use and kept on the cache tensor; None above
+    EXPANDED_MAX_BYTES."""
+    kept = cos_sin_cache.__dict__.setdefault("_vb_rotary_tables", {})
+    if dtype not in kept:
+        positions, dim = cos_sin_cache.shape
+        small = 2 * positions * dim * torch.empty((), dtype=dtype).element_size() <= EXPANDED_MAX_BYTES
+        kept[dtype] = _expand(cos_sin_cache, dtype) if small else None
+    return kept[dtype]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

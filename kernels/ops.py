@@ -68,9 +68,10 @@ class Ops:
     # forward; attn' (an AttentionMetadata with extra per-step fields) goes to every layer.
     prepare_attention: Callable[..., Any] | None = None
     # Optional, CPU native (kernels/cpu_native_ops.py): `decoder_layers(layers, positions, hidden,
-    # residual, kv_caches, attn, rope) -> (hidden, residual)` runs consecutive decoder layers, each with
-    # its cache (the model calls it in place of `layer(...)` for each; it may just call the layers).
-    # None: the layers run their forward.
+    # residual, kv_caches, attn, rope, final_norm=None) -> (hidden, residual)` runs consecutive decoder
+    # layers, each with its cache (the model calls it in place of `layer(...)` for each; it may just
+    # call the layers), then, given final_norm = (weight, eps), the model's final
+    # `fused_add_rms_norm` (hidden comes back normed). None: the layers run their forward.
     decoder_layers: Callable[..., Any] | None = None
     # Optional, CPU: a decoder's MLP over more rows than this runs `mlp_chunk_rows` rows at a time
     # (engine/models/row_chunks.py), so its [rows, intermediate] product stays in cache

@@ -367,6 +367,28 @@ def test_per_step_rotary_matches_reference(num_tokens, dtype):
     torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_tables_from_the_kept_whole_table_equal_the_rows_expanded(dtype, monkeypatch):
+    # The whole cache expanded once (kept on the cache) and the step's rows expanded (a cache too big
+    # to keep) must give the same tables, bit for bit, for any positions.
+    from vbatch.kernels import cpu_rotary, rotary_ref
+    cache = rotary_ref.build_rope_cache(64, 1024, 10000.0, None)
+    positions = torch.tensor([0, 1023, 7, 7, 512])
+    kept = cpu_rotary.prepare_rotary(positions, cache, dtype)
+    assert cache._vb_rotary_tables[dtype][0].shape == (1024, 1, 64)     # kept, the whole cache
+    assert cpu_rotary.prepare_rotary(positions, cache, dtype)[0].data_ptr() != kept[0].data_ptr()  # a fresh gather
+    monkeypatch.setattr(cpu_rotary, "EXPANDED_MAX_BYTES", 0)
+    small = rotary_ref.build_rope_cache(64, 1024, 10000.0, None)
+    rows = cpu_rotary.prepare_rotary(positions, small, dtype)
+    assert small._vb_rotary_tables[dtype] is None                      # too big: nothing kept
+    half = 32
+    want_cos = cache[positions, :half].repeat(1, 2).to(dtype)
+    want_sin = torch.cat((-cache[positions, half:], cache[positions, half:]), -1).to(dtype)
+    for tables in (kept, rows):
+        assert tables[0].shape == tables[1].shape == (5, 1, 64) and tables[0].dtype == dtype
+        assert torch.equal(tables[0][:, 0], want_cos) and torch.equal(tables[1][:, 0], want_sin)
+
+
 @pytest.mark.parametrize("case", ["decode_ragged", "decode_single_block", "mixed_prefill_and_decode"])
 def test_prepared_attention_matches_reference(case, monkeypatch):
     # The per-step slot table (prepare_attention, as the model's forward calls it) gives the same rows.

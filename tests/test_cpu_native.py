@@ -569,7 +569,7 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weight
     calls = []
     real = cpu_native.NativeKernels.decoder_layers
     monkeypatch.setattr(cpu_native.NativeKernels, "decoder_layers",
-                        lambda self, *a: calls.append((a[4].shape[0], len(a[0]))) or real(self, *a))
+                        lambda self, *a: calls.append((a[5].shape[0], len(a[0]))) or real(self, *a))
     for rows in (1, 2, 4, 5):                   # decode steps of 1, 2 and 4 rows are fused; 5 are not
         seqs = prompts(config.vocab_size, [6, 3, 9, 4, 5][:rows], seed=rows)
         runs = {}

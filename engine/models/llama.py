@@ -212,15 +212,18 @@ class LlamaForCausalLM(nn.Module):
         # The last layer runs alone when it skips rows (output_rows); the others, one by one or, with
         # CPU native ops at small batch, all in one call.
         upto = len(layers) - 1 if output_rows is not None else len(layers)
-        if self.ops.decoder_layers is not None:
+        final_norm = (self.norm, self.shape.rms_norm_eps)
+        if self.ops.decoder_layers is not None:  # with the final norm too when it ends the stack
             hidden, residual = self.ops.decoder_layers(layers[:upto], positions, hidden, residual, kv_caches[:upto],
-                                                       attn, rope)
+                                                       attn, rope, final_norm if output_rows is None else None)
+            if output_rows is None:
+                return hidden  # [T, hidden]
         else:
             for layer, kv_cache in zip(layers[:upto], kv_caches[:upto], strict=True):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, attn, rope)
         if output_rows is not None:
             hidden, residual = layers[-1](positions, hidden, residual, kv_caches[-1], attn, rope, output_rows)
-        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm, self.shape.rms_norm_eps)
+        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, *final_norm)
         return hidden  # [T or N, hidden]
 
     def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:

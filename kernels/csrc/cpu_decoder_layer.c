@@ -75,6 +75,12 @@ int VB_ACT(vb_decoder_layers)(const VbLayer *layers, int num_layers, const VbSte
             for (int l = 0; l < num_layers; ++l)
                 mine |= layer_shared(&layers[l], S, plans[l], key_caches[l], value_caches[l], hidden, residual,
                                      first_layer && l == 0);
+            /* the model's final norm, in place (the row's sum is complete before any output is written) */
+            if (S->final_norm && num_layers > 0) {
+#pragma omp single
+                VB_ACT(vb_rms_norm_rows)(hidden, residual, S->final_norm, S->final_eps, hidden, residual, 0, S->rows,
+                                         layers[num_layers - 1].hidden);
+            }
             if (mine) {
 #pragma omp atomic write
                 failed = mine;

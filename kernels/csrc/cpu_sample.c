@@ -106,7 +106,7 @@ int VB_ACT(vb_sample)(const act_t *logits, int64_t row_stride, int rows, int voc
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; ++r) {
             const act_t *row = logits + (int64_t)r * row_stride;
-            if (temperature[r] <= 0.0f) out[r] = argmax_row(row, vocab);
+            if (!temperature || temperature[r] <= 0.0f) out[r] = argmax_row(row, vocab);
             else if (block_sums) out[r] = sample_row(row, vocab, temperature[r], u[r], block_sums);
         }
         free(block_sums);

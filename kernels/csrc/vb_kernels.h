@@ -83,19 +83,22 @@ typedef struct {
     const int32_t *query_start, *seq_lens;       /* [num_reqs + 1], [num_reqs] */
     int num_reqs, block_size;
     act_t *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch rows: [rows, hidden / q+2kv / q / hidden / 2i / i] */
+    const act_t *final_norm;                     /* [hidden]: the model's final norm after the last layer, or NULL */
+    float final_eps;
 } VbStep;
 
 /* layers [num_layers]: consecutive layers, run in order; key_caches / value_caches [num_layers]: each
  * layer's cache; hidden [rows, hidden_size]: the first layer's input, replaced by the last one's output
  * (its MLP's); residual [rows, hidden_size]: the residual stream, updated (first_layer: layers[0] is
- * the model's first, and the stream is set from hidden). Returns 0, or the attention/linear codes
- * (1 unsupported shape, 2 out of memory). */
+ * the model's first, and the stream is set from hidden). With S->final_norm, hidden then becomes the
+ * model's final add+RMSNorm of the two (the residual stream updated by that add). Returns 0, or the
+ * attention/linear codes (1 unsupported shape, 2 out of memory). */
 int VB_ACT(vb_decoder_layers)(const VbLayer *layers, int num_layers, const VbStep *S, kv_t *const *key_caches,
                               kv_t *const *value_caches, act_t *hidden, act_t *residual, int first_layer,
                               int num_threads);
 
-/* cpu_sample.c: logits [rows, vocab] (rows row_stride apart); temperature [rows] (0: greedy); u [rows]
- * in [0, 1); out [rows]. Returns 0, or 2 when out of memory. */
+/* cpu_sample.c: logits [rows, vocab] (rows row_stride apart); temperature [rows] (0: greedy; NULL: every
+ * row greedy, u unread); u [rows] in [0, 1); out [rows]. Returns 0, or 2 when out of memory. */
 int VB_ACT(vb_sample)(const act_t *logits, int64_t row_stride, int rows, int vocab, const float *temperature,
                       const float *u, int64_t *out, int num_threads);
 

@@ -203,7 +203,7 @@ static void check_attention(int head_dim) {
 
 /* Two decoder layers (hidden 64, 4 query heads and 2 kv heads of 16, intermediate 96) for a step of
  * 4 rows: a decode row at 21 positions and a 3-row chunk after 9, weights in `format`. The first
- * layer alone, then both in one call (their step's KV written again at the same slots). */
+ * layer alone, then both in one call with a final norm (their step's KV written again at the same slots). */
 static void check_decoder_layer(int format) {
     const int H = 64, nq = 4, nkv = 2, D = 16, I = 96, BS = 16, T = 4;
     const int Q = nq * D, KV = nkv * D, QKV = Q + 2 * KV;
@@ -235,7 +235,8 @@ static void check_decoder_layer(int format) {
     act_t *normed = calloc(T * H, sizeof(act_t)), *qkv = calloc(T * QKV, sizeof(act_t));
     act_t *attn = calloc(T * Q, sizeof(act_t)), *proj = calloc(T * H, sizeof(act_t));
     act_t *gate_up = calloc(T * 2 * I, sizeof(act_t)), *act = calloc(T * I, sizeof(act_t));
-    const VbStep step = {T, cos, sin_, slots, tables, 2, query_start, lens, 2, BS, normed, qkv, attn, proj, gate_up, act};
+    const VbStep step = {T, cos, sin_, slots, tables, 2, query_start, lens, 2, BS, normed, qkv, attn, proj, gate_up, act,
+                         NULL, 0.0f};
     VbLayer layers[2];
     void *owned[2][7];
     for (int l = 0; l < 2; ++l) {
@@ -255,7 +256,10 @@ static void check_decoder_layer(int format) {
     record_int(name, rc);
     snprintf(name, sizeof name, "decoder_layer f%d l0", format);
     record_acts(name, hidden, T * H);
-    rc = VB_ACT(vb_decoder_layers)(layers, 2, &step, key_caches, value_caches, hidden, residual, 0, 2);
+    VbStep with_final_norm = step;  /* and the model's final norm after the last */
+    with_final_norm.final_norm = layers[1].post_norm;
+    with_final_norm.final_eps = 1e-6f;
+    rc = VB_ACT(vb_decoder_layers)(layers, 2, &with_final_norm, key_caches, value_caches, hidden, residual, 0, 2);
     snprintf(name, sizeof name, "decoder_layer f%d l0-1 rc", format);
     record_int(name, rc);
     snprintf(name, sizeof name, "decoder_layer f%d l0-1", format);
