@@ -237,7 +237,7 @@ class ModelRunner:
             pruned = True
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)   # [T, H]
-        if not pruned:
+        if not pruned and not inputs.logits_all_rows:
             hidden = hidden[inputs.logits_indices]                                          # [rows, H]
         # CPU with the native kernels: the sampler reads the model's own logits (bf16 ones it
         # converts when a row needs more than a temperature); prompt logprobs need fp32.

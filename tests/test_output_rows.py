@@ -72,6 +72,50 @@ def test_no_pruning_for_prompt_logprobs_or_pure_decode():
     assert prepare_inputs(with_pooling, BS, CPU).output_rows is None               # its rows are read later
 
 
+def _same_inputs(got, want) -> None:
+    """Every field equal, tensors in value, dtype and shape (and contiguous, as the kernels read them)."""
+    import dataclasses
+    for obj_got, obj_want in ((got, want), (got.attn, want.attn)):
+        for f in dataclasses.fields(obj_want):
+            a, b = getattr(obj_got, f.name), getattr(obj_want, f.name)
+            if f.name in ("attn", "logits_all_rows"):
+                continue
+            if isinstance(b, torch.Tensor):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and a.is_contiguous(), f.name
+            else:
+                assert a == b, f.name
+
+
+def test_decode_steps_get_the_general_paths_inputs():
+    # Oracle: the general path on the same decode steps. Requests at a block's first and last slot,
+    # tables of different widths (padded with 0), one request alone.
+    from vbatch.engine import inputs as inp
+    reqs = [_request("a", 3, 4, outputs=2),          # position 4: block 1's first slot
+            _request("bb", 9, 11, outputs=3),        # position 11: block 2's last slot
+            _request("c", 1, 1, outputs=1)]          # position 1 of a one-token prompt
+    tables = [(7, 2), (5, 9, 3), (6,)]
+    for scheduled in ([ScheduledRequest(r, 1, t) for r, t in zip(reqs, tables)],
+                      [ScheduledRequest(reqs[1], 1, tables[1])]):
+        sched = SchedulerOutput(scheduled=tuple(scheduled), num_scheduled_tokens=len(scheduled))
+        got, want = inp._decode_inputs(sched.scheduled, BS, CPU), inp._general_inputs(sched.scheduled, BS, CPU)
+        _same_inputs(got, want)
+        assert got.logits_all_rows and want.logits_all_rows
+        assert got.attn.slot_mapping.tolist() == [t[r.num_computed_tokens // BS] * BS + r.num_computed_tokens % BS
+                                                  for r, t in ((s.request, s.block_ids) for s in scheduled)]
+        fast = inp.prepare_inputs(sched, BS, CPU)
+        assert fast.input_ids.data_ptr() == fast.positions.data_ptr() - 8 * len(scheduled)  # views of one tensor
+    # Not decode: a one-token prompt chunk that scores a prompt token, or does not sample.
+    scored = _request("p", 9, 3, prompt_logprobs=1)
+    not_last = _request("q", 9, 3)
+    for s in (ScheduledRequest(scored, 1, (1, 2, 3)), ScheduledRequest(not_last, 1, (1, 2, 3))):
+        step = SchedulerOutput(scheduled=(s,), num_scheduled_tokens=1)
+        _same_inputs(inp.prepare_inputs(step, BS, CPU), inp._general_inputs(step.scheduled, BS, CPU))
+    assert inp.prepare_inputs(SchedulerOutput(scheduled=(ScheduledRequest(scored, 1, (1, 2, 3)),),
+                                              num_scheduled_tokens=1), BS, CPU).prompt_logprobs
+    assert not inp.prepare_inputs(SchedulerOutput(scheduled=(ScheduledRequest(not_last, 1, (1, 2, 3)),),
+                                                  num_scheduled_tokens=1), BS, CPU).sample_reqs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pruned_last_layer_equals_the_full_step(dtype):
     torch.manual_seed(0)
