@@ -180,7 +180,7 @@ class RecordReader:
             except Exception:
                 return None
         with open(self.path, "rb") as f:
-            return sum(1 for raw in f if raw.strip())
+            return sum(1 for raw in _without_bom(f) if raw.strip())
 
 
 def _clean_parquet_row(obj: dict[str, Any]) -> dict[str, Any]:

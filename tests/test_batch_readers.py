@@ -42,6 +42,18 @@ def test_jsonl_good_records_default_ids_and_kinds(tmp_path):
     assert reader.count() == 3
 
 
+def test_a_byte_order_mark_alone_on_the_first_line_is_a_blank_line(tmp_path):
+    # Windows tools write a UTF-8 BOM before the first line; alone there, the line is blank: no record,
+    # and the count (the progress bar's total) agrees with the records.
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf\n" + b'{"prompt": "a"}\n\xef\xbb\xbf{"prompt": "b"}\n')
+    reader = open_reader(str(f))
+    recs = list(reader)
+    assert [r.line for r in recs] == [2, 3] and isinstance(recs[0], BatchRecord)
+    assert isinstance(recs[1], RecordError)          # a BOM past the first line is content: not JSON
+    assert reader.count() == len(recs) == 2
+
+
 @pytest.mark.parametrize("line, expected", [
     ("{broken", "json: invalid JSON: Expecting property name enclosed in double quotes (column 2)"),
     ("[1, 2]", "record: must be a JSON object, got array"),

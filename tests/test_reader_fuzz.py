@@ -11,7 +11,7 @@ import tracemalloc
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -58,7 +58,9 @@ weird_line = st.one_of(
 
 
 def _expected_lines(lines: list[bytes]) -> list[int]:
-    return [i for i, raw in enumerate(lines, start=1) if raw.strip()]
+    """The non-blank lines as a reader sees them: a UTF-8 byte order mark opening the file is not content."""
+    first = lines[0].removeprefix(b"\xef\xbb\xbf") if lines else b""
+    return [i for i, raw in enumerate([first, *lines[1:]], start=1) if raw.strip()]
 
 
 def _records(path):
@@ -75,6 +77,8 @@ def _check_one_per_line(recs, lines):
 
 @FUZZ
 @given(st.lists(weird_line, min_size=1, max_size=12))
+@example(lines=[b"\xef\xbb\xbf"])                                 # a byte order mark alone: a blank line
+@example(lines=[b"\xef\xbb\xbf" + _bytes_line({"prompt": "x"}), b"\xef\xbb\xbf"])  # only the first line's is one
 def test_every_jsonl_line_becomes_exactly_one_record(tmp_path_factory, lines):
     path = tmp_path_factory.mktemp("fuzz") / "in.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
