@@ -61,7 +61,8 @@ class _Stack:
         self.dtype = first_layer.input_layernorm.dtype
         widths = (attention.o_proj.out_features, attention.qkv.out_features, attention.q_size,
                   attention.o_proj.out_features, 2 * mlp.down_proj.in_features, mlp.down_proj.in_features)
-        self.scratch = [torch.empty(FUSED_LAYER_MAX_ROWS, w, dtype=self.dtype) for w in widths]
+        self.max_rows = FUSED_LAYER_MAX_ROWS  # the scratch rows' capacity
+        self.scratch = [torch.empty(self.max_rows, w, dtype=self.dtype) for w in widths]
         self.step = VbStep(0, None, None, None, None, 0, None, None, 0, 0, *(t.data_ptr() for t in self.scratch))
         self.kv: tuple = ()                   # the (key, value) caches the pointer arrays were made for
         self.kv_arrays: tuple | None = None   # (key pointers, value pointers, cache dtype); None: not native
@@ -229,7 +230,7 @@ class NativeOps:
         rows = hidden.shape[0]
         stack = self._stack(layers) if layers and 0 < rows <= FUSED_LAYER_MAX_ROWS else None
         caches = None
-        if (stack is not None and isinstance(rope, tuple) and hidden.dtype == stack.dtype
+        if (stack is not None and rows <= stack.max_rows and isinstance(rope, tuple) and hidden.dtype == stack.dtype
                 and rope[0].dtype == hidden.dtype):
             caches = stack.caches(kv_caches)
         if caches is None:
