@@ -41,8 +41,6 @@ class ModelInputs:
     # The logits rows when they are each the last row of their request and fewer than the tokens
     # (steps with prompt chunks, no prompt logprobs or pooling): the model's last layer runs on them only.
     output_rows: OutputRows | None = None
-    # Every hidden row is a logits row, in order (logits_indices is 0..num_tokens-1): no gather needed.
-    logits_all_rows: bool = False
 
 
 def prepare_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -80,7 +78,7 @@ def _decode_inputs(scheduled: tuple[ScheduledRequest, ...], block_size: int, dev
         seq_lens_list=tuple(seq_lens))
     return ModelInputs(input_ids=longs[0], positions=longs[1], attn=attn,
                        logits_indices=torch.arange(num_reqs, device=device), sample_rows=rows, sample_reqs=rows,
-                       prompt_logprobs=(), logits_all_rows=True)
+                       prompt_logprobs=())
 
 
 def _general_inputs(scheduled: tuple[ScheduledRequest, ...], block_size: int, device: torch.device) -> ModelInputs:
@@ -168,5 +166,4 @@ def _general_inputs(scheduled: tuple[ScheduledRequest, ...], block_size: int, de
         sample_reqs=tuple(sample_reqs),
         prompt_logprobs=tuple(plp),
         output_rows=output_rows,
-        logits_all_rows=len(logits_idx) == num_tokens,   # the rows are listed in order, each once
     )

@@ -237,7 +237,8 @@ class ModelRunner:
             pruned = True
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)   # [T, H]
-        if not pruned and not inputs.logits_all_rows:
+        # The logits rows are listed in order, each once: as many as the hidden rows means all of them.
+        if not pruned and inputs.logits_indices.shape[0] != hidden.shape[0]:
             hidden = hidden[inputs.logits_indices]                                          # [rows, H]
         # CPU with the native kernels: the sampler reads the model's own logits (bf16 ones it
         # converts when a row needs more than a temperature); prompt logprobs need fp32.

@@ -140,7 +140,7 @@ def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_plain_rows_native(native, logits: torch.Tensor, meta: SamplingMetadata,
-                              u: torch.Tensor | None) -> torch.Tensor:
+                              u: torch.Tensor | None) -> torch.Tensor:   # u: None only when every row is greedy
     """Every row drawn by the native kernel (kernels/csrc/cpu_sample.c) straight from the model's
     logits as if it were plain (temperature only; greedy rows: argmax); the caller keeps the plain rows'."""
     if meta.all_greedy:
@@ -148,7 +148,7 @@ def _sample_plain_rows_native(native, logits: torch.Tensor, meta: SamplingMetada
     temperature = meta.temperature.clone()
     if meta.is_greedy is not None:
         temperature[meta.is_greedy] = 0.0
-    return native.sample(logits, temperature, torch.zeros(meta.num_rows) if u is None else u, torch.get_num_threads())
+    return native.sample(logits, temperature, u, torch.get_num_threads())   # u: drawn for any random row
 
 
 def _exponential_noise(probs: torch.Tensor, generators: tuple[tuple[int, torch.Generator], ...],

@@ -55,8 +55,8 @@ class _Stack:
     each torch call costs several microseconds (docs/performance.md, session 19). One forward at a
     time per model, as for its KV cache."""
 
-    def __init__(self, kernels: NativeKernels, layer_ids: tuple[int, ...], layers: ctypes.Array, first_layer) -> None:
-        self.kernels, self.layer_ids, self.layers = kernels, layer_ids, layers
+    def __init__(self, layers: ctypes.Array, first_layer) -> None:
+        self.layers = layers                  # the VbLayers
         attention, mlp = first_layer.self_attn, first_layer.mlp
         self.dtype = first_layer.input_layernorm.dtype
         widths = (attention.o_proj.out_features, attention.qkv.out_features, attention.q_size,
@@ -214,8 +214,7 @@ class NativeOps:
         if cached is not None and cached[0] is self.kernels and cached[1] == ids:
             return cached[2]
         structs = [self._layer_struct(layer) for layer in layers]
-        stack = None if any(s is None for s in structs) else _Stack(
-            self.kernels, ids, (VbLayer * len(structs))(*structs), layers[0])
+        stack = None if any(s is None for s in structs) else _Stack((VbLayer * len(structs))(*structs), layers[0])
         layers[0]._vb_native_stack = (self.kernels, ids, stack)
         return stack
 

@@ -14,10 +14,10 @@ def _leave_the_checkout_root_off_sys_path() -> None:
     the PyPI package of that name, which transformers (>= 5.25, a dependency) imports when it loads a
     model's config: "cannot import name 'CUDAProperties' from 'kernels'". vbatch's own modules
     import through the installed mapping, never from the root."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     if not os.path.isfile(os.path.join(root, "kernels", "openmp_env.py")):
         return  # an installed copy (site-packages/vbatch): no checkout around it
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
 
 
 _leave_the_checkout_root_off_sys_path()
