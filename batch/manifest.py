@@ -5,8 +5,8 @@ and the record count, once `OUT` is in place. A rerun compares it with what the 
 would write: the same input (size + SHA-256 of the first MiB; the path is kept for messages
 only, so a moved file still matches), the options that change outputs (model, dtype,
 max_model_len, seed, generation_config, chat template, sampling defaults), the output format
-and the shard. Scheduling knobs (max_num_seqs, KV cache size, prefix caching, device) are left
-out: they change speed, not what a record means. Used by `vbatch.batch.resume` and `vbatch.batch.merge`.
+and the shard. Scheduling knobs (max_num_seqs, KV cache size, prefix caching, device,
+num_scheduler_steps) are left out: they change speed, not what a record means. Used by `vbatch.batch.resume` and `vbatch.batch.merge`.
 """
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ Linear module's forward (and a fused gate/up module's `silu_and_mul`) and the ru
 `execute_model`, and prints the seconds per name for steps that carry prompt tokens ("mixed")
 and pure decode steps, then the steps' phases (schedule, inputs, forward, logits head, sampler,
 scheduler update, output processing) in ms per step. Timers add a few microseconds per call; the
-native call that runs every layer at 1-4 rows is timed as one `decoder_layers`. docs/performance.md's
-round-5 and round-6 breakdowns come from here.
+native call that runs every layer at 1-4 rows is timed as one `decoder_layers`. Every step runs
+alone (num_scheduler_steps 1), so each forward's ops are seen. docs/performance.md's round-5 and
+round-6 breakdowns come from here.
 Run it in its own high-priority session on a shared machine (REFERENCE 8):
     setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/op_times.py
 """
@@ -37,7 +38,8 @@ def main() -> None:
 
     from vbatch import LLM, SamplingParams
     llm = LLM(args.model, max_num_seqs=256, enable_prefix_caching=False, quiet=True, num_threads=args.threads,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              num_scheduler_steps=1)   # one forward per step: a multi-step decode runs in one native call
     engine = llm.engine
     runner, model = engine.runner, engine.runner.model
     seconds: dict[tuple[str, str], float] = collections.defaultdict(float)

@@ -33,7 +33,8 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
                       if report.get(key, report["dtype"]) != report["dtype"])
     tier = f", {report['cpu_tier']} kernels" if report.get("cpu_tier") else ""
     wait = f", {report['openmp_wait']}" if report.get("openmp_wait") else ""
-    lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {report['threads']} threads{wait}{gemm}), "
+    steps = f", up to {report['decode_steps']} decode steps a call" if report.get("decode_steps", 1) > 1 else ""
+    lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {report['threads']} threads{wait}{gemm}{steps}), "
              f"engine built in {report['engine_build_s']:.1f} s (not timed)"]
     if report.get("compile_description"):
         lines.append(f"  compiled at start-up (inside the build): {report['compile_description']}")
@@ -107,6 +108,7 @@ def throughput(
     quantization: o.Quantization = None,
     kv_cache_dtype: o.KvCacheDtype = "auto",
     max_num_seqs: o.MaxNumSeqs = None,
+    num_scheduler_steps: o.NumSchedulerSteps = None,
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
     max_model_len: o.MaxModelLen = None,
     kv_cache_memory: o.KvCacheMemory = None,
@@ -139,7 +141,8 @@ def throughput(
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                            enable_prefix_caching=False if latency else None, seed=seed,
                            generation_config="vllm", device=device, weight_dtype=weight_dtype,
-                           kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+                           kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                           num_scheduler_steps=num_scheduler_steps)
     kwargs["quiet"] = True
     if threads is not None:
         kwargs["num_threads"] = threads  # the engine sets torch's thread count itself when it starts
@@ -173,6 +176,7 @@ def throughput(
     gemm = describe(llm.engine.runner.model)
     if gemm is not None:
         report["cpu_gemm"] = gemm   # the library behind the packed CPU linears
+    report["decode_steps"] = llm.engine.config.scheduler.num_scheduler_steps   # multi-step decodes (engine/scheduler.py)
     compiled = llm.engine.runner.compile_times()
     report["compile"], report["compile_description"] = compiled.to_dict(), compiled.describe()
     if latency:

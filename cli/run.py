@@ -35,7 +35,7 @@ def engine_kwargs(*, dtype: str, max_model_len: int | None, max_num_seqs: int | 
                   max_num_batched_tokens: int | None, kv_cache_memory: str | None,
                   enable_prefix_caching: bool | None, seed: int | None, generation_config: str | None,
                   device: str | None, weight_dtype: str = "auto", kv_cache_dtype: str = "auto",
-                  quantization: str | None = None) -> dict[str, Any]:
+                  quantization: str | None = None, num_scheduler_steps: int | None = None) -> dict[str, Any]:
     """vbatch.LLM keyword arguments for the flags the user set (unset flags keep the engine's defaults)."""
     from ..engine.config import parse_bytes
 
@@ -44,7 +44,8 @@ def engine_kwargs(*, dtype: str, max_model_len: int | None, max_num_seqs: int | 
                               "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
                               "max_num_batched_tokens": max_num_batched_tokens,
                               "enable_prefix_caching": enable_prefix_caching, "seed": seed,
-                              "generation_config": generation_config, "device": device, "quantization": quantization}
+                              "generation_config": generation_config, "device": device, "quantization": quantization,
+                              "num_scheduler_steps": num_scheduler_steps}
     if kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = parse_bytes(kv_cache_memory, "--kv-cache-memory")
     return {k: v for k, v in kwargs.items() if v is not None}
@@ -85,6 +86,7 @@ def run(
     kv_cache_dtype: o.KvCacheDtype = "auto",
     max_model_len: o.MaxModelLen = None,
     max_num_seqs: o.MaxNumSeqs = None,
+    num_scheduler_steps: o.NumSchedulerSteps = None,
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
     kv_cache_memory: o.KvCacheMemory = None,
     enable_prefix_caching: o.EnablePrefixCaching = None,
@@ -122,7 +124,8 @@ def run(
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                            enable_prefix_caching=enable_prefix_caching, seed=seed,
                            generation_config=generation_config, device=device, weight_dtype=weight_dtype,
-                           kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+                           kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                           num_scheduler_steps=num_scheduler_steps)
     template = resolve_chat_template(chat_template)
     if max_in_flight is not None and max_in_flight < 1:
         raise ConfigError("--max-in-flight", f"must be >= 1, got {max_in_flight}")

@@ -135,6 +135,14 @@ class SchedulerConfig:
     """Cut prompts that do not fit the step's budget into chunks. Off: a prompt waits until it fits whole."""
     max_model_len: int = 2048
     """Filled from ModelConfig once the model is known."""
+    num_scheduler_steps: int | None = None
+    """Forwards one scheduled step may run back to back when every request decodes one token that
+    it samples plainly (greedy or temperature only, nothing else read from the logits:
+    SamplingParams.is_plain) and nobody waits: the model then samples and feeds back its tokens
+    itself, and the scheduler applies them all at once (vLLM's multi-step scheduling). None: 8 where
+    the model can run such steps in one native call (CPU native kernels, up to 4 requests), else 1.
+    The tokens are those of single steps, the random draws included; streamed outputs arrive a few
+    tokens at a time."""
 
     @property
     def token_budget(self) -> int:
@@ -145,6 +153,8 @@ class SchedulerConfig:
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
+            raise ConfigError("num_scheduler_steps", f"must be >= 1, got {self.num_scheduler_steps}")
         if self.max_num_batched_tokens is None:
             return
         if self.max_num_batched_tokens < 1:

@@ -33,7 +33,7 @@ Conversation = list[dict[str, Any]]
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, tokenizer: str | None = None, dtype: str = "auto",
                  weight_dtype: str = "auto", quantization: str | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 256,
+                 max_num_seqs: int = 256, num_scheduler_steps: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, kv_cache_memory: int | str | None = None,
                  kv_cache_dtype: str = "auto",
@@ -52,7 +52,7 @@ class LLM:
                                 num_gpu_blocks_override=num_gpu_blocks_override)
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     enable_chunked_prefill=enable_chunked_prefill,
-                                    max_model_len=max_model_len or 1)
+                                    max_model_len=max_model_len or 1, num_scheduler_steps=num_scheduler_steps)
         self.engine = LLMEngine(EngineConfig(model_cfg, cache_cfg, sched_cfg), quiet=quiet)
         self._counter = 0
         self.io_processor = self._load_plugin(str(model), io_processor_plugin, io_processor_options or {})

@@ -26,7 +26,7 @@ from .errors import ConfigError
 from .inputs import ModelInputs, prepare_inputs
 from .models.registry import get_model_class
 from .models.weights import iter_weights
-from .sampler import Sampler, compute_prompt_logprobs
+from .sampler import Sampler, uniform_per_row, compute_prompt_logprobs
 from .sampling_metadata import SamplingMetadata
 from .scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -228,6 +228,8 @@ class ModelRunner:
         for request_id in sched.finished_request_ids:
             self.request_generators.pop(request_id, None)
         inputs = prepare_inputs(sched, self.block_size, self.device)
+        if sched.num_steps > 1:
+            return self._execute_decode_steps(sched, inputs)
         pruned = False
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.attn):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.attn)        # [T, H]
@@ -262,6 +264,49 @@ class ModelRunner:
             logprobs=tuple(logprobs),
             prompt_logprobs=tuple(prompt_lps),
         )
+
+    def decode_steps_rows(self) -> int:
+        """The most requests a multi-step decode (SchedulerOutput.num_steps > 1) may hold here: the
+        model's `decode_steps` with this KV cache (0: none; off CUDA graphs' device)."""
+        model = self.model
+        if self.cuda_graphs is not None or not self.kv_caches or not hasattr(model, "decode_steps_rows"):
+            return 0
+        return model.decode_steps_rows(self.kv_caches)
+
+    def _execute_decode_steps(self, sched: SchedulerOutput, inputs: ModelInputs) -> ModelRunnerOutput:
+        """A multi-step decode: the model samples each request's next sched.num_steps tokens as the
+        sampler's plain rows do, feeding each back; fewer when a request samples a stop token (the
+        steps end there, so every step runs, and draws for, the requests single steps would).
+
+        The random rows' uniforms are drawn here, step after step, from the generators single steps
+        would draw them from (engine/sampler.py `uniform_per_row`); when the steps end early the
+        generators are put back and advanced by the steps that ran only, so later draws are the same
+        as after single steps."""
+        reqs = [s.request for s in sched.scheduled]
+        meta = SamplingMetadata.build(reqs, vocab_size=self.vocab_size, device=self.device,
+                                      generators_by_id=self.request_generators)
+        assert all(meta.plain_rows), "multi-step decodes take plain rows only (SamplingParams.is_plain)"
+        stops = [tuple(r.sampling_params.all_stop_token_ids | set(r.sampling_params.stop_token_ids or ()))
+                 for r in reqs]
+        temperature = uniforms = None
+        generators = (self.generator, *(g for _, g in meta.generators))
+        if not meta.all_greedy:
+            temperature = meta.temperature.clone()                                          # [T]
+            if meta.is_greedy is not None:
+                temperature[meta.is_greedy] = 0.0
+            states = [g.get_state() for g in generators]
+            uniforms = self._uniforms(meta, sched.num_steps)                                # [steps, T]
+        tokens = self.model.decode_steps(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
+                                         sched.num_steps, stops, temperature, uniforms)     # [steps run, T]
+        if uniforms is not None and tokens.shape[0] < sched.num_steps:
+            for g, state in zip(generators, states):
+                g.set_state(state)
+            self._uniforms(meta, tokens.shape[0])
+        return ModelRunnerOutput(req_ids=tuple(s.request.request_id for s in sched.scheduled),
+                                 sampled_token_ids=tuple(map(tuple, tokens.t().tolist())))
+
+    def _uniforms(self, meta: SamplingMetadata, num_steps: int) -> torch.Tensor:  # [num_steps, rows]
+        return torch.stack([uniform_per_row(meta.num_rows, meta.generators, self.generator) for _ in range(num_steps)])
 
     def _sample(self, sched: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
                 sampled: list, logprobs: list) -> None:

@@ -47,7 +47,7 @@ class Sampler:
         alone took 12 ms per step)."""
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, (logits.shape, meta.num_rows)
         # CPU: one uniform number per random row, drawn once here whichever path uses it.
-        u = None if meta.all_greedy or logits.device.type != "cpu" else _uniform_per_row(
+        u = None if meta.all_greedy or logits.device.type != "cpu" else uniform_per_row(
             meta.num_rows, meta.generators, default_generator)
         fast = None
         if (self.native is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
@@ -112,7 +112,7 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> Non
                            meta.presence_penalties)
 
 
-def _uniform_per_row(num_rows: int, generators: tuple[tuple[int, torch.Generator], ...],
+def uniform_per_row(num_rows: int, generators: tuple[tuple[int, torch.Generator], ...],
                      default_generator: torch.Generator | None) -> torch.Tensor:  # [num_rows] float32
     """U[0, 1) per row: seeded rows from their own generator (exactly one draw per step, whatever
     the batch), the others from `default_generator`."""

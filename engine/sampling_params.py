@@ -154,6 +154,20 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def is_plain(self) -> bool:
+        """The token comes from the logits and the temperature alone (greedy: the argmax): nothing
+        edits or reads the logits (no penalties, bias, allowed or bad words, top-k/p or min-p,
+        logprobs) and no stop string is looked for (the sampler's plain rows,
+        engine/sampling_metadata.py). min_tokens, which bans the stop tokens until it is met, is the
+        caller's to check. Such requests may decode several steps in one call (engine/scheduler.py
+        multi-step decodes)."""
+        top_k_off = self.top_k <= 0 or (self.vocab_size > 0 and self.top_k >= self.vocab_size)
+        return (self.logprobs is None and not self.stop and top_k_off and self.top_p >= 1.0
+                and self.min_p <= 0.0 and self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0
+                and self.presence_penalty == 0.0 and not self.logit_bias and self.allowed_token_ids is None
+                and not self.bad_words_token_ids and self.structured_outputs is None)
+
     def replace(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 

@@ -32,6 +32,15 @@ allocate, so only the token budget and `max_num_seqs` bound a step.
 NOTE (prompt length): a generation prompt needs room for at least one output token
 (prompt < max_model_len); a pooling prompt may fill it (prompt <= max_model_len). One rule,
 here: the engine asks `check_request` before it registers a request anywhere.
+
+NOTE (multi-step decodes): when nobody waits and every running request decodes one token that it
+samples plainly (SamplingParams.is_plain, min_tokens met), a step may run up to
+`num_scheduler_steps` forwards (SchedulerOutput.num_steps), the model feeding back what it samples
+with the random draws single steps would make (engine/model_runner.py), ending with the first
+forward in which a request samples a stop token. Slots for every step are allocated up front; the
+steps never pass a request's max_tokens or max_model_len, and update_from_output applies the tokens
+one by one with the stop checks of single steps, so the outputs are the same. Only where the runner
+runs such steps (`decode_steps_rows`: how many requests it takes).
 Priorities are not used yet: the order is first come, first served.
 """
 from __future__ import annotations
@@ -49,8 +58,11 @@ from .scheduler_output import ModelRunnerOutput, RequestUpdate, ScheduledRequest
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 *, needs_kv_cache: bool = True) -> None:
+                 *, needs_kv_cache: bool = True, decode_steps_rows: int = 0) -> None:
         self.config = scheduler_config
+        # Multi-step decodes (module NOTE): steps per schedule, for at most this many requests.
+        self.num_decode_steps = scheduler_config.num_scheduler_steps or 1
+        self.decode_steps_rows = decode_steps_rows
         self.block_manager = (BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
                               if needs_kv_cache else NoKVCache())
         self.requests: dict[str, Request] = {}       # unfinished requests by id
@@ -129,6 +141,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        steps = self._decode_steps()
+        if steps > 1:
+            output = SchedulerOutput(scheduled=tuple(self._scheduled(r, 1) for r in self.running),
+                                     num_scheduled_tokens=len(self.running),
+                                     finished_request_ids=tuple(self._finished_since_last_step), num_steps=steps)
+            self._finished_since_last_step = []
+            return output
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted_ids: list[str] = []
@@ -143,6 +162,32 @@ class Scheduler:
         )
         self._finished_since_last_step = []
         return output
+
+    def _decode_steps(self) -> int:
+        """Forwards for a multi-step decode of every running request (module NOTE), their slots
+        allocated; 1: a step as usual."""
+        steps = self.num_decode_steps
+        rows = len(self.running)
+        if (steps < 2 or self.waiting or not rows or rows > self.decode_steps_rows
+                or rows > self.config.max_num_batched_tokens):
+            return 1
+        max_len = self.config.max_model_len
+        for request in self.running:
+            params = request.sampling_params
+            if (request.num_tokens_to_compute != 1 or not params.is_plain
+                    or request.num_output_tokens < params.min_tokens):
+                return 1
+            # never past the step whose token ends the request by length (_check_stop)
+            steps = min(steps, request.max_tokens - request.num_output_tokens, max_len - request.num_tokens)
+        blocks = self.block_manager.block_size
+        needed = sum(max(0, -(-(r.num_computed_tokens + steps) // blocks)
+                            - len(self.block_manager.get_block_ids(r.request_id))) for r in self.running)
+        if steps < 2 or needed > self.block_manager.num_free_blocks:
+            return 1
+        for request in self.running:
+            allocated = self.block_manager.allocate_slots(request, steps)
+            assert allocated
+        return steps
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted_ids: list[str], budget: int) -> int:
         i = 0
@@ -212,9 +257,11 @@ class Scheduler:
             if request.is_finished:       # finished from outside since schedule()
                 continue
             assert request.status == RequestStatus.RUNNING, request
-            request.num_computed_tokens += item.num_new_tokens
             row = row_of.get(request.request_id)
-            new_token_ids = self._append_tokens(request, _at(runner_output.sampled_token_ids, row) or ())
+            sampled = _at(runner_output.sampled_token_ids, row) or ()
+            # a multi-step decode computed the fed token and every sampled one but the last
+            request.num_computed_tokens += item.num_new_tokens if scheduler_output.num_steps == 1 else len(sampled)
+            new_token_ids = self._append_tokens(request, sampled)
             if request.is_pooling and request.num_computed_tokens >= request.num_prompt_tokens:
                 request.status = RequestStatus.FINISHED_STOPPED
             logprobs = _at(runner_output.logprobs, row)

@@ -36,6 +36,9 @@ class SchedulerOutput:
     preempted_request_ids: tuple[str, ...] = ()
     # Requests finished since the last step (the runner drops any state it keeps for them).
     finished_request_ids: tuple[str, ...] = ()
+    # Forwards this step runs (> 1: a multi-step decode, engine/scheduler.py): every request feeds its
+    # one token, then the tokens it samples, greedily; each returns up to num_steps tokens.
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

@@ -65,6 +65,16 @@ class VbStep(ctypes.Structure):
         ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float)]
 
 
+class VbDecode(ctypes.Structure):
+    """cpu_decode_steps.c's VbDecode: the embedding, head, rotary rows, stop tokens and scratch of the decode steps."""
+
+    _fields_ = [("embedding", ctypes.c_void_p), ("head_weight", ctypes.c_void_p), ("head_format", ctypes.c_int),
+                ("vocab", ctypes.c_int), ("cos_table", ctypes.c_void_p), ("signed_sin_table", ctypes.c_void_p),
+                ("position_base", ctypes.c_int64), ("num_table_rows", ctypes.c_int64), ("stop_ids", ctypes.c_void_p),
+                ("max_stops", ctypes.c_int), ("temperature", ctypes.c_void_p), ("uniforms", ctypes.c_void_p)] + [
+        (name, ctypes.c_void_p) for name in ("logits", "cos", "signed_sin", "slots", "seq_lens")]
+
+
 @dataclass(frozen=True)
 class NativeKernels:
     library: ctypes.CDLL
@@ -271,6 +281,22 @@ class NativeKernels:
         if rc != 0:
             raise NativeKernelError(f"native decoder layers: {_ERRORS.get(rc, f'error {rc}')}")
 
+    def decode_steps(self, layers: ctypes.Array, step: VbStep, decode: VbDecode, key_caches: ctypes.Array,
+                     value_caches: ctypes.Array, kv_dtype: torch.dtype, tokens: torch.Tensor, positions: torch.Tensor,
+                     hidden: torch.Tensor, residual: torch.Tensor, num_threads: int) -> int:
+        """Up to tokens.shape[0] - 1 decode steps (cpu_decode_steps.c): tokens [steps + 1, rows]
+        int64, row 0 the tokens fed at positions [rows] int64; each step writes the next row. hidden and
+        residual: [rows, hidden] scratch of the model's dtype. Returns the steps run (fewer when a row
+        sampled one of its stop tokens: the call ends with that step)."""
+        assert tokens.is_contiguous() and positions.is_contiguous() and tokens.dtype == positions.dtype == torch.int64
+        done = self._fn("vb_decode_steps", hidden.dtype, kv_dtype)(
+            layers, len(layers), ctypes.byref(step), ctypes.byref(decode), key_caches, value_caches, tokens.data_ptr(),
+            positions.data_ptr(), hidden.data_ptr(), residual.data_ptr(), tokens.shape[0] - 1, num_threads)
+        if done < 0:
+            raise NativeKernelError("native decode steps: " + ("arguments out of range" if done == -100
+                                                               else _ERRORS.get(-done, f"error {-done}")))
+        return done
+
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor | None, u: torch.Tensor | None,
                num_threads: int) -> torch.Tensor:
         """logits [rows, vocab] fp32 / bf16 (unit element stride); temperature [rows] (0: greedy; None:
@@ -337,6 +363,7 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_write_kv": ([p, i64, p, i64, p, p, p, i64, i32], None),
         "vb_decoder_layers": ([p, i32, p, p, p, p, p, i32, i32], ctypes.c_int),
         "vb_sample": ([p, i64, i32, i32, p, p, p, i32], ctypes.c_int),
+        "vb_decode_steps": ([p, i32, p, p, p, p, p, p, p, p, i32, i32], ctypes.c_int),
         "vb_encoder_attention": ([p, p, p, i64, p, p, p, i32, i32, i32, i32, f32, i32], ctypes.c_int),
         "vb_read_probe": ([p, i64, i32, i32], ctypes.c_uint64),
         "vb_fma_probe": ([i64, f32, f32, i32], ctypes.c_float),

@@ -23,7 +23,7 @@ import torch
 
 from . import activation_ref, attention_ref, cache_ref, cpu_attention, cpu_rotary, norm_ref, torch_encoder
 from .attention_metadata import AttentionMetadata
-from .cpu_native import WEIGHT_FORMAT, NativeKernelError, NativeKernels, VbLayer, VbStep
+from .cpu_native import WEIGHT_FORMAT, NativeKernelError, NativeKernels, VbDecode, VbLayer, VbStep
 from .native_build import has_variant
 
 logger = logging.getLogger("vbatch.kernels")
@@ -104,6 +104,7 @@ class NativeOps:
             fused_add_rms_norm=self.fused_add_rms_norm, silu_and_mul=self.silu_and_mul,
             apply_rotary=self.apply_rotary, prepare_rotary=cpu_rotary.prepare_rotary,
             write_kv_cache=self.write_kv_cache, decoder_layers=self.decoder_layers,
+            decode_steps=self.decode_steps, decode_steps_rows=self.decode_steps_rows,
             encoder_attention=self.encoder_attention, native=self.kernels)
 
     def encoder_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens, scale: float
@@ -252,3 +253,63 @@ class NativeOps:
         if final_norm is not None and not norm:
             hidden, residual = self.fused_add_rms_norm(hidden, residual, *final_norm)
         return hidden, residual
+
+    # --- several greedy decode steps in one call (kernels/csrc/cpu_decode_steps.c) --------------
+
+    def decode_steps_rows(self, layers, head, kv_caches) -> int:
+        """The most requests `decode_steps` runs for these layers, logits head and caches (0: none):
+        every layer native (`decoder_layers`' one call), the head a small-rows native linear."""
+        stack = self._stack(tuple(layers)) if layers else None
+        if (stack is None or stack.caches(tuple(kv_caches)) is None or getattr(head, "native", None) is not self.kernels
+                or head.small_weight is None or head.bias is not None or head.in_features != layers[0].self_attn.s.hidden_size):
+            return 0
+        return stack.max_rows
+
+    def decode_steps(self, layers, embedding: torch.Tensor, head, final_norm: tuple[torch.Tensor, float],
+                     cos_sin_cache: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
+                     attn: AttentionMetadata, num_steps: int, stop_ids, temperature: torch.Tensor | None = None,
+                     uniforms: torch.Tensor | None = None) -> torch.Tensor:
+        """Up to num_steps decode steps of T requests in one native call -> [steps run, T] int64, the
+        tokens each step sampled (the Ops.decode_steps contract; the caller checked decode_steps_rows).
+        The same kernels as a step of the engine (the model's forward with decoder_layers and its final
+        norm, the head's small-rows linear, the sampler's plain rows), so the same tokens."""
+        layers, kv_caches = tuple(layers), tuple(kv_caches)
+        rows = input_ids.shape[0]
+        stack = self._stack(layers)
+        key_pointers, value_pointers, kv_dtype = stack.caches(kv_caches)
+        dtype = stack.dtype
+        assert 0 < rows <= stack.max_rows == self.decode_steps_rows(layers, head, kv_caches) and attn.num_reqs == rows
+        # The rotary rows of every position the steps reach (a view of the expanded whole tables).
+        low = int(positions.min())
+        high = int(positions.max()) + num_steps
+        tables = cpu_rotary.position_tables(cos_sin_cache, low, high, dtype)             # 2 x [high - low, 1, D]
+        stops = [tuple(s) for s in stop_ids]
+        width = max(map(len, stops), default=0)
+        stop_table = torch.tensor([list(s) + [-1] * (width - len(s)) for s in stops] if width else [[-1]],
+                                  dtype=torch.int64)                                     # [T, width]
+        head_dim = layers[0].self_attn.s.head_dim
+        scratch = (torch.empty(rows, head.out_features, dtype=dtype), torch.empty(2, rows, head_dim, dtype=dtype),
+                   torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int32))
+        logits, rotary, slots, seq_lens = scratch
+        if temperature is not None:   # random rows: each step's uniform per row, as the sampler draws them
+            temperature = temperature.to(torch.float32).contiguous()
+            uniforms = uniforms.to(torch.float32).contiguous()
+            assert temperature.shape == (rows,) and uniforms.shape == (num_steps, rows)
+        decode = VbDecode(embedding.data_ptr(), head.small_weight.data_ptr(), WEIGHT_FORMAT[head.small_weight.dtype],
+                          head.out_features, tables[0].data_ptr(), tables[1].data_ptr(), low, high - low,
+                          stop_table.data_ptr(), width, None if temperature is None else temperature.data_ptr(),
+                          None if temperature is None else uniforms.data_ptr(), logits.data_ptr(),
+                          rotary[0].data_ptr(), rotary[1].data_ptr(), slots.data_ptr(), seq_lens.data_ptr())
+        block_tables, starts = attn.block_tables.contiguous(), attn.query_start_loc.contiguous()
+        st = stack.step
+        st.rows, st.block_tables, st.table_stride = rows, block_tables.data_ptr(), block_tables.stride(0)
+        st.query_start, st.num_reqs, st.block_size = starts.data_ptr(), rows, attn.block_size
+        st.final_norm, st.final_eps = final_norm[0].data_ptr(), final_norm[1]
+        tokens = torch.empty(num_steps + 1, rows, dtype=torch.int64)                     # [steps + 1, T]
+        tokens[0] = input_ids
+        hidden, residual = torch.empty(2, rows, embedding.shape[1], dtype=dtype)
+        done = self.kernels.decode_steps(stack.layers, st, decode, key_pointers, value_pointers, kv_dtype, tokens,
+                                         positions.to(torch.int64).contiguous(), hidden, residual,
+                                         torch.get_num_threads())
+        del tables, scratch, block_tables, starts, temperature, uniforms
+        return tokens[1:done + 1]

@@ -41,6 +41,15 @@ def prepare_rotary(
     return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
 
 
+def position_tables(cos_sin_cache: torch.Tensor, low: int, high: int, dtype: torch.dtype) -> RotaryTables:
+    """The expanded tables of positions low..high - 1 (2 x [high - low, 1, head_dim] contiguous, `dtype`):
+    a view of the whole cache's kept tables, or those rows expanded when the whole is too big."""
+    tables = _whole_tables(cos_sin_cache, dtype)
+    if tables is None:
+        return _expand(cos_sin_cache[low:high], dtype)
+    return tables[0][low:high], tables[1][low:high]
+
+
 def _expand(cos_sin: torch.Tensor, dtype: torch.dtype) -> RotaryTables:  # [N, head_dim] -> 2 x [N, 1, head_dim]
     half = cos_sin.shape[-1] // 2
     cos, sin = cos_sin[:, :half], cos_sin[:, half:]

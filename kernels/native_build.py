@@ -44,7 +44,8 @@ class NativeKernelError(RuntimeError):
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
            CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c", CSRC / "cpu_encoder_attention.c",
-           CSRC / "cpu_read_probe.c", CSRC / "cpu_fma_probe.c", CSRC / "cpu_gemm.c", CSRC / "cpu_gemm_q8.c")
+           CSRC / "cpu_read_probe.c", CSRC / "cpu_fma_probe.c", CSRC / "cpu_gemm.c", CSRC / "cpu_gemm_q8.c",
+           CSRC / "cpu_decode_steps.c")
 HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h", CSRC / "vb_attention.h",
            CSRC / "vb_attention_tiled.h", CSRC / "vb_attention_spans.h")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",
@@ -63,9 +64,9 @@ VARIANTS = {(torch.float32, torch.float32): ("f32", ("-DVB_ACT_F32",)),
 # cache only (the attention, the KV write, the decoder layer and what it calls), and bind those
 # sources' entry points.
 KV_SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "cpu_elementwise.c",
-              CSRC / "cpu_decoder_layer.c")
+              CSRC / "cpu_decoder_layer.c", CSRC / "cpu_sample.c", CSRC / "cpu_decode_steps.c")
 KV_ENTRY_POINTS = ("vb_paged_attention", "vb_linear_small", "vb_rms_norm", "vb_silu_and_mul", "vb_rotary",
-                   "vb_write_kv", "vb_decoder_layers")
+                   "vb_write_kv", "vb_decoder_layers", "vb_sample", "vb_decode_steps")
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("VBATCH_CACHE", Path.home() / ".cache" / "vbatch")) / "kernels"

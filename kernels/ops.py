@@ -73,6 +73,16 @@ class Ops:
     # call the layers), then, given final_norm = (weight, eps), the model's final
     # `fused_add_rms_norm` (hidden comes back normed). None: the layers run their forward.
     decoder_layers: Callable[..., Any] | None = None
+    # Optional, CPU native (kernels/cpu_native_ops.py): `decode_steps(layers, embedding, head, final_norm,
+    # cos_sin_cache, input_ids, positions, kv_caches, attn, num_steps, stop_ids, temperature=None,
+    # uniforms=None) -> tokens [steps, T]` runs up to num_steps decode steps of T requests (one token
+    # each) in one call: the model's embedding lookup, its layers, final norm and logits `head`, the
+    # sampler's plain rows (temperature [T], 0 greedy, at uniforms [num_steps, T]; None: all greedy),
+    # fed back (engine/scheduler.py multi-step decodes); it ends with the first step in which a
+    # request sampled one of its `stop_ids`.
+    # `decode_steps_rows(layers, head, kv_caches)`: the most requests it takes for those (0: none).
+    decode_steps: Callable[..., Any] | None = None
+    decode_steps_rows: Callable[..., int] | None = None
     # Optional, CPU: a decoder's MLP over more rows than this runs `mlp_chunk_rows` rows at a time
     # (engine/models/row_chunks.py), so its [rows, intermediate] product stays in cache
     # (kernels/cpu_linear.py MLP_CHUNK_ROWS). None: all rows at once.

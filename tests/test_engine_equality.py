@@ -129,3 +129,27 @@ def test_kv_cache_smaller_than_one_sequence_is_refused(smollm2_path):
     from vbatch.engine.errors import ConfigError
     with pytest.raises(ConfigError, match="kv_cache_memory.*max_model_len=256"):
         LLM(str(smollm2_path), dtype="float32", device="cpu", quiet=True, num_gpu_blocks_override=9, max_model_len=256)
+
+
+@pytest.mark.parametrize("tier", [None, *LOWER_TIERS], ids=["best", *LOWER_TIERS])
+def test_greedy_matches_transformers_in_multi_step_decodes(smollm2_path, prompts, hf_greedy, tier, monkeypatch):
+    # One to four requests at a time, nobody waiting: the scheduler asks for up to 8 forwards a step,
+    # and the model samples and feeds back its own tokens in one native call (engine/scheduler.py).
+    if tier is not None:
+        monkeypatch.setenv("VBATCH_CPU_TIER", tier)
+    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", quiet=True, max_num_seqs=4)
+    engine = llm.engine
+    if engine.scheduler.decode_steps_rows == 0:
+        pytest.skip("no native kernels on this machine (the multi-step decode is native only)")
+    assert engine.scheduler.num_decode_steps == 8
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ours, start, before = [], 0, engine.stats.num_steps
+    for size in (1, 2, 3, 4) * 4:
+        group = prompts[start:start + size]
+        ours += [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in group], params)]
+        start += size
+        if start >= len(prompts):
+            break
+    assert engine.stats.num_steps - before < sum(map(len, ours)) / 4, "the decodes ran one step at a time"
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, hf_greedy)) if a != b]
+    assert len(ours) == len(prompts) and not mismatches, f"prompts {mismatches} differ"

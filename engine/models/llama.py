@@ -226,6 +226,25 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, *final_norm)
         return hidden  # [T or N, hidden]
 
+    def decode_steps_rows(self, kv_caches: list[KVCache]) -> int:
+        """The most requests `decode_steps` takes with these caches (0: the ops cannot run it here)."""
+        if self.ops.decode_steps_rows is None or self.logits_head is None or self.norm.dtype != self.dtype:
+            return 0
+        return self.ops.decode_steps_rows(tuple(self.layers), self.logits_head, tuple(kv_caches))
+
+    def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                     attn: AttentionMetadata, num_steps: int, stop_ids, temperature: torch.Tensor | None = None,
+                     uniforms: torch.Tensor | None = None) -> torch.Tensor:
+        """Up to `num_steps` decode steps of T requests in one call of the ops: [T] tokens at
+        `positions` -> [steps run, T], what each step sampled from compute_logits(forward(...)) as the
+        sampler's plain rows do (temperature [T], 0: argmax, at uniforms [num_steps, T]; None: all
+        greedy), each step feeding the previous one's tokens. It ends with the first step in which a
+        request sampled one of its `stop_ids` (T sequences of token ids). `attn`: the first step's; the block
+        tables must hold every slot the steps write. Only when decode_steps_rows(kv_caches) >= T."""
+        return self.ops.decode_steps(tuple(self.layers), self.embed_tokens.weight, self.logits_head,
+                                     (self.norm, self.shape.rms_norm_eps), self.rope_cache, input_ids, positions,
+                                     tuple(kv_caches), attn, num_steps, stop_ids, temperature, uniforms)
+
     def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """[N, hidden] -> [N, vocab], fp32 (keep_dtype: the model's dtype, for a sampler that reads it)."""
         if self.logits_head is not None:

@@ -97,6 +97,38 @@ int VB_ACT(vb_decoder_layers)(const VbLayer *layers, int num_layers, const VbSte
                               kv_t *const *value_caches, act_t *hidden, act_t *residual, int first_layer,
                               int num_threads);
 
+/* cpu_decode_steps.c: what the decode steps add to the layers: the embedding, the head, the rotary
+ * tables of every position they reach, the requests' stop tokens, and per-step scratch. */
+#define VB_DECODE_MAX_ROWS 8
+typedef struct {
+    const act_t *embedding;                      /* [vocab, hidden]: the token embedding */
+    const void *head_weight;                     /* [vocab, hidden] stored as head_format (VB_WEIGHT_*) */
+    int head_format, vocab;
+    const act_t *cos_table, *signed_sin_table;   /* [num_table_rows, head_dim]: positions position_base.. */
+    int64_t position_base, num_table_rows;
+    const int64_t *stop_ids;                     /* [rows, max_stops]: each request's stop tokens, -1 padded */
+    int max_stops;
+    const float *temperature;                    /* [rows] (0: greedy), or NULL: every row greedy */
+    const float *uniforms;                       /* [num_steps, rows] in [0, 1): each step's draws (vb_sample's u) */
+    act_t *logits;                               /* scratch [rows, vocab] */
+    act_t *cos, *signed_sin;                     /* scratch [rows, head_dim] */
+    int64_t *slots;                              /* scratch [rows] */
+    int32_t *seq_lens;                           /* scratch [rows] */
+} VbDecode;
+
+/* Up to num_steps decode steps of step->rows requests, one token each (step->num_reqs ==
+ * rows; step: block tables, query starts, scratch rows and final norm as for vb_decoder_layers).
+ * tokens [num_steps + 1, rows]: row 0 the tokens fed first (at positions [rows]); step s writes row
+ * s + 1, the tokens it sampled, which step s + 1 feeds at positions + s + 1 (the block tables must
+ * hold those slots). Ends early, after the first step in which a request sampled one of its stop
+ * tokens. Returns the
+ * steps run; -100 for arguments out of range (rows, a token, a position past the tables), or minus
+ * a kernel's code (1 unsupported shape or weight format, 2 out of memory). */
+int VB_ACT(vb_decode_steps)(const VbLayer *layers, int num_layers, const VbStep *step, const VbDecode *D,
+                            kv_t *const *key_caches, kv_t *const *value_caches, int64_t *tokens,
+                            const int64_t *positions, act_t *hidden, act_t *residual, int num_steps,
+                            int num_threads);
+
 /* cpu_sample.c: logits [rows, vocab] (rows row_stride apart); temperature [rows] (0: greedy; NULL: every
  * row greedy, u unread); u [rows] in [0, 1); out [rows]. Returns 0, or 2 when out of memory. */
 int VB_ACT(vb_sample)(const act_t *logits, int64_t row_stride, int rows, int vocab, const float *temperature,
