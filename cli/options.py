@@ -37,9 +37,9 @@ MaxModelLen = Annotated[Optional[int], typer.Option(help="Prompt + output tokens
 MaxNumSeqs = Annotated[Optional[int], typer.Option(help="Most sequences running at once (default: 256).",
                                                   rich_help_panel=ENGINE)]
 NumSchedulerSteps = Annotated[Optional[int], typer.Option(
-    help="Forwards one engine step may run when every running request decodes greedily with nothing "
-         "else read from the logits and none waits (vLLM's multi-step scheduling; default: 8 on CPUs "
-         "with the native kernels, else 1). 1 turns it off.", rich_help_panel=ENGINE)]
+    help="Forwards one engine step may run when every running request decodes with plain sampling "
+         "(greedy or temperature only) and no waiting request has room (vLLM's multi-step scheduling; "
+         "default: 8 on CPUs with the native kernels, else 1). 1 turns it off.", rich_help_panel=ENGINE)]
 MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(help="Token budget of one engine step "
                                                            "(default: 8192).", rich_help_panel=ENGINE)]
 KvCacheMemory = Annotated[Optional[str], typer.Option(help="KV cache size, e.g. 2GiB or 512MiB "

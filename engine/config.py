@@ -138,7 +138,7 @@ class SchedulerConfig:
     num_scheduler_steps: int | None = None
     """Forwards one scheduled step may run back to back when every request decodes one token that
     it samples plainly (greedy or temperature only, nothing else read from the logits:
-    SamplingParams.is_plain) and nobody waits: the model then samples and feeds back its tokens
+    SamplingParams.is_plain) and no waiting request has room: the model then samples and feeds back its tokens
     itself, and the scheduler applies them all at once (vLLM's multi-step scheduling). None: 8 where
     the model can run such steps in one native call (CPU native kernels, up to 4 requests), else 1.
     The tokens are those of single steps, the random draws included; streamed outputs arrive a few

@@ -33,9 +33,9 @@ NOTE (prompt length): a generation prompt needs room for at least one output tok
 (prompt < max_model_len); a pooling prompt may fill it (prompt <= max_model_len). One rule,
 here: the engine asks `check_request` before it registers a request anywhere.
 
-NOTE (multi-step decodes): when nobody waits and every running request decodes one token that it
-samples plainly (SamplingParams.is_plain, min_tokens met), a step may run up to
-`num_scheduler_steps` forwards (SchedulerOutput.num_steps), the model feeding back what it samples
+NOTE (multi-step decodes): when no waiting request has room (nobody waits, or max_num_seqs are
+running) and every running request decodes one token that it samples plainly
+(SamplingParams.is_plain, min_tokens met), a step may run up to `num_scheduler_steps` forwards (SchedulerOutput.num_steps), the model feeding back what it samples
 with the random draws single steps would make (engine/model_runner.py), ending with the first
 forward in which a request samples a stop token. Slots for every step are allocated up front; the
 steps never pass a request's max_tokens or max_model_len, and update_from_output applies the tokens
@@ -168,8 +168,10 @@ class Scheduler:
         allocated; 1: a step as usual."""
         steps = self.num_decode_steps
         rows = len(self.running)
-        if (steps < 2 or self.waiting or not rows or rows > self.decode_steps_rows
-                or rows > self.config.max_num_batched_tokens):
+        # NOTE: a waiting request that has no room (max_num_seqs running) waits no longer for this:
+        # the steps end on the forward that finishes a request, by a stop token or by length.
+        if (steps < 2 or not rows or rows > self.decode_steps_rows or rows > self.config.max_num_batched_tokens
+                or (self.waiting and rows < self.config.max_num_seqs)):
             return 1
         max_len = self.config.max_model_len
         for request in self.running:

@@ -107,8 +107,8 @@ def _run(seed: int, num_steps: int, rows: int):
         if not sched.has_unfinished_requests():
             break
         out = sched.schedule()
-        if out.num_steps > 1:
-            assert not sched.waiting and len(out.scheduled) <= rows
+        if out.num_steps > 1:   # nobody could have been admitted instead
+            assert (not sched.waiting or len(sched.running) == sched.config.max_num_seqs) and len(out.scheduled) <= rows
         sched.update_from_output(out, runner.execute(out))
         if out.num_steps > 1:  # every token but the last sampled one is in the cache now
             assert all(s.request.is_finished or s.request.num_tokens_to_compute == 1 for s in out.scheduled)
@@ -153,7 +153,16 @@ def test_a_multi_step_decode_stops_at_max_tokens_and_max_model_len():
     assert b.status == RequestStatus.FINISHED_LENGTH and b.num_tokens == 20
 
 
-def test_no_multi_step_decode_for_a_request_that_is_not_plain_or_a_waiting_one():
+def _steps_until_done(sched, runner) -> list[tuple[str, int]]:
+    steps = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        steps.append((",".join(s.request.request_id for s in out.scheduled), out.num_steps))
+        sched.update_from_output(out, runner.execute(out))
+    return steps
+
+
+def test_multi_step_decodes_only_for_plain_requests_and_only_when_no_waiting_one_has_room():
     config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64, num_scheduler_steps=8)
     sched = Scheduler(config, CacheConfig(block_size=BS, enable_prefix_caching=False), 40, decode_steps_rows=4)
     runner = FakeStepsRunner(40, 0)
@@ -162,25 +171,23 @@ def test_no_multi_step_decode_for_a_request_that_is_not_plain_or_a_waiting_one()
         eos_token_ids=[EOS], vocab_size=1000), max_tokens=9)
     stop_string = Request("ss", [3, 4], SamplingParams(temperature=0.0, stop=["x"], max_tokens=9).resolve(
         eos_token_ids=[EOS], vocab_size=1000), max_tokens=9)
-    first = plain_request("p", [3, 4], max_tokens=9, min_tokens=4)
-    for r in (first, logprobs, stop_string):
+    for r in (plain_request("p", [3, 4], max_tokens=9, min_tokens=4), logprobs, stop_string):
         sched.add_request(r)
-    steps = []
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        steps.append((out.scheduled[0].request.request_id, out.num_steps))
-        sched.update_from_output(out, runner.execute(out))
-    # one request runs at a time (max_num_seqs 1): "p" always has others waiting behind it, and the
-    # other two are not plain (logprobs read the logits; a stop string needs the text)
-    assert all(n == 1 for _, n in steps)
-    sched.add_request(plain_request("q", [3, 4], max_tokens=12, min_tokens=4))
-    steps = []
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        steps.append(out.num_steps)
-        sched.update_from_output(out, runner.execute(out))
-    # prefill (1 token), then single steps until min_tokens is met (tokens 2-4), then 8 at most
-    assert steps[:4] == [1, 1, 1, 1] and max(steps) == 8
+    # max_num_seqs 1: "p" runs with the others waiting, without room; its single steps until
+    # min_tokens is met (the prefill's token, then 3), then its last 5 tokens in one step. The other
+    # two are not plain (logprobs read the logits; a stop string needs the text).
+    assert _steps_until_done(sched, runner) == [("p", 1)] * 4 + [("p", 5)] + [("lp", 1)] * 9 + [("ss", 1)] * 9
+    # A waiting request with room is admitted first: "a" decodes alone, "b" arrives.
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, num_scheduler_steps=8)
+    sched = Scheduler(config, CacheConfig(block_size=BS, enable_prefix_caching=False), 40, decode_steps_rows=4)
+    sched.add_request(plain_request("a", [3, 4], max_tokens=20))
+    sched.update_from_output(out := sched.schedule(), runner.execute(out))
+    sched.add_request(plain_request("b", [5, 6], max_tokens=3))
+    out = sched.schedule()
+    assert out.num_steps == 1 and [s.request.request_id for s in out.scheduled] == ["a", "b"]
+    sched.update_from_output(out, runner.execute(out))
+    # a 2 tokens and b 1: then both together until b's length (2 more), then a alone
+    assert _steps_until_done(sched, runner) == [("a,b", 2), ("a", 8), ("a", 8)]
 
 
 # ---------------------------------------------------------------------------- the real model, natively
@@ -201,9 +208,10 @@ def test_native_multi_step_decodes_give_the_single_steps_tokens(smollm2_path):
              # random draws from the engine's generator, then from a request's own; "." and "," stop them
              SamplingParams(temperature=0.8, max_tokens=21, stop_token_ids=[30, 28]),
              SamplingParams(temperature=1.0, max_tokens=25, seed=7, stop_token_ids=[30])]
-    seen = set()
+    seen, used = set(), []
     for params in cases:
-        for group in (prompts[:1], prompts[1:3], prompts[1:5]):
+        # the last group: 4 running (max_num_seqs) while the fifth waits without room
+        for group in (prompts[:1], prompts[1:3], prompts[1:5], prompts):
             engine.scheduler.num_decode_steps = 1
             engine.runner.generator.manual_seed(11)
             single = [o.outputs[0] for o in llm.generate(group, params)]
@@ -217,7 +225,8 @@ def test_native_multi_step_decodes_give_the_single_steps_tokens(smollm2_path):
             assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in multi] == \
                    [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in single], (params, group)
             seen.update((o.finish_reason, o.stop_reason) for o in multi)
-            longest = max(len(o.token_ids) for o in multi)
-            assert engine.stats.num_steps - before <= 2 + longest // 2, "no multi-step decode ran"
+            # single steps give a request at most one token each: fewer steps than its tokens took several
+            used.append(engine.stats.num_steps - before < max(len(o.token_ids) for o in multi))
+    assert sum(used) >= len(used) - 2, used
     # the cases must end requests every way a multi-step decode can: EOS, a stop token, length
     assert {("stop", None), ("length", None)} <= seen and {29, 30} & {r for _, r in seen}, seen
