@@ -26,6 +26,7 @@ from . import q8_0
 from .attention_metadata import AttentionMetadata
 from .cache_ref import FP8_KV_DTYPES
 from .cpu_features import CpuTier, selected_tier
+from .cpu_native_structs import VbDecode, VbStep
 from .native_build import KV_ENTRY_POINTS, VARIANTS, NativeKernelError, entry_suffix, build, has_variant
 
 logger = logging.getLogger("vbatch.kernels")
@@ -41,38 +42,6 @@ _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, mo
 
 _Q8_GEMM_ERRORS = {2: "input width not a multiple of 32", 3: "out of memory for the rounded rows",
                    4: "AVX-VNNI asked for on a CPU without avx_vnni, or a build whose assembler lacked it"}
-
-
-class VbLayer(ctypes.Structure):
-    """cpu_decoder_layer.c's VbLayer: one decoder layer's weights (pointers) and sizes."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight",
-        "gate_up_bias", "down_weight", "down_bias")] + [
-        (name, ctypes.c_int) for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate",
-                                          "weight_format")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-
-
-class VbStep(ctypes.Structure):
-    """cpu_decoder_layer.c's VbStep: what every layer of one step shares (pointers) and scratch rows."""
-
-    _fields_ = [("rows", ctypes.c_int), ("cos", ctypes.c_void_p), ("signed_sin", ctypes.c_void_p),
-                ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
-                ("query_start", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("num_reqs", ctypes.c_int),
-                ("block_size", ctypes.c_int)] + [
-        (name, ctypes.c_void_p) for name in ("normed", "qkv", "attn", "proj", "gate_up", "act")] + [
-        ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float)]
-
-
-class VbDecode(ctypes.Structure):
-    """cpu_decode_steps.c's VbDecode: the embedding, head, rotary rows, stop tokens and scratch of the decode steps."""
-
-    _fields_ = [("embedding", ctypes.c_void_p), ("head_weight", ctypes.c_void_p), ("head_format", ctypes.c_int),
-                ("vocab", ctypes.c_int), ("cos_table", ctypes.c_void_p), ("signed_sin_table", ctypes.c_void_p),
-                ("position_base", ctypes.c_int64), ("num_table_rows", ctypes.c_int64), ("stop_ids", ctypes.c_void_p),
-                ("max_stops", ctypes.c_int), ("temperature", ctypes.c_void_p), ("uniforms", ctypes.c_void_p)] + [
-        (name, ctypes.c_void_p) for name in ("logits", "cos", "signed_sin", "slots", "seq_lens")]
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ import torch
 
 from . import activation_ref, attention_ref, cache_ref, cpu_attention, cpu_rotary, norm_ref, torch_encoder
 from .attention_metadata import AttentionMetadata
-from .cpu_native import WEIGHT_FORMAT, NativeKernelError, NativeKernels, VbDecode, VbLayer, VbStep
+from .cpu_native import WEIGHT_FORMAT, NativeKernelError, NativeKernels
+from .cpu_native_structs import VbDecode, VbLayer, VbStep
 from .native_build import has_variant
 
 logger = logging.getLogger("vbatch.kernels")
@@ -296,7 +297,7 @@ class NativeOps:
             uniforms = uniforms.to(torch.float32).contiguous()
             assert temperature.shape == (rows,) and uniforms.shape == (num_steps, rows)
         decode = VbDecode(embedding.data_ptr(), head.small_weight.data_ptr(), WEIGHT_FORMAT[head.small_weight.dtype],
-                          head.out_features, tables[0].data_ptr(), tables[1].data_ptr(), low, high - low,
+                          head.out_features, tables[0].data_ptr(), tables[1].data_ptr(), low, tables[0].shape[0],
                           stop_table.data_ptr(), width, None if temperature is None else temperature.data_ptr(),
                           None if temperature is None else uniforms.data_ptr(), logits.data_ptr(),
                           rotary[0].data_ptr(), rotary[1].data_ptr(), slots.data_ptr(), seq_lens.data_ptr())

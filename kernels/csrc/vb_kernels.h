@@ -58,8 +58,8 @@ int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const
 
 /* cpu_decoder_layer.c: consecutive Llama-family decoder layers for 1-8 tokens in one call. Norms, biases and
  * activations are act_t (the model's dtype); the four weights are stored as weight_format says
- * (VB_WEIGHT_*: the model's dtype, or half precision for an fp32 model). kernels/cpu_native_ops.py
- * mirrors both structs in ctypes. */
+ * (VB_WEIGHT_*: the model's dtype, or half precision for an fp32 model). kernels/cpu_native_structs.py
+ * mirrors both structs (and VbDecode, below) in ctypes. */
 typedef struct {
     const act_t *input_norm, *post_norm;        /* [hidden] */
     const void *qkv_weight;                     /* [q + 2 kv, hidden] */

@@ -203,7 +203,8 @@ static void check_attention(int head_dim) {
 
 /* Two decoder layers (hidden 64, 4 query heads and 2 kv heads of 16, intermediate 96) for a step of
  * 4 rows: a decode row at 21 positions and a 3-row chunk after 9, weights in `format`. The first
- * layer alone, then both in one call with a final norm (their step's KV written again at the same slots). */
+ * layer alone, then both in one call with a final norm (their step's KV written again at the same slots),
+ * then three decode steps of the two requests (vb_decode_steps). */
 static void check_decoder_layer(int format) {
     const int H = 64, nq = 4, nkv = 2, D = 16, I = 96, BS = 16, T = 4;
     const int Q = nq * D, KV = nkv * D, QKV = Q + 2 * KV;
@@ -264,6 +265,41 @@ static void check_decoder_layer(int format) {
     record_int(name, rc);
     snprintf(name, sizeof name, "decoder_layer f%d l0-1", format);
     record_acts(name, hidden, T * H);
+    {   /* then three decode steps of both requests (at 21 and 12) in one call: a vocab of 50, request 1
+         * drawn at temperature 0.8 (the uniforms given), the head stored like the layers */
+        const int V = 50, R = 2, S = 3;
+        act_t *embedding = acts((int64_t)V * H, 1.0f), *cos_table = malloc(sizeof(act_t) * 32 * D);
+        act_t *sin_table = malloc(sizeof(act_t) * 32 * D), *logits = calloc((size_t)R * V, sizeof(act_t));
+        act_t *cos_rows = calloc((size_t)R * D, sizeof(act_t)), *sin_rows = calloc((size_t)R * D, sizeof(act_t));
+        void *head = weight(format, V, H);
+        for (int p = 0; p < 32; ++p)
+            for (int i = 0; i < D; ++i) {
+                const float angle = (float)p * powf(10000.0f, -(float)(2 * (i % (D / 2))) / (float)D);
+                cos_table[p * D + i] = to_act(cosf(angle));
+                sin_table[p * D + i] = to_act(i < D / 2 ? -sinf(angle) : sinf(angle));
+            }
+        const int64_t stop_ids[2] = {-1, -1}, positions[2] = {21, 12};
+        const float temperature[2] = {0.0f, 0.8f}, uniforms[6] = {0.1f, 0.62f, 0.3f, 0.27f, 0.9f, 0.45f};
+        int64_t step_slots[2], tokens[(3 + 1) * 2] = {7, 31};
+        int32_t step_lens[2], decode_start[3] = {0, 1, 2};
+        const VbDecode D_ = {embedding, head, format, V, cos_table, sin_table, 0, 32, stop_ids, 1, temperature,
+                             uniforms, logits, cos_rows, sin_rows, step_slots, step_lens};
+        VbStep decode = with_final_norm;
+        decode.rows = R;
+        decode.query_start = decode_start;
+        const int done = VB_ACT(vb_decode_steps)(layers, 2, &decode, &D_, key_caches, value_caches, tokens, positions,
+                                                 hidden, residual, S, 2);
+        /* 0 when all three ran; minus the code it returned (bf16 without avx512_bf16: 1, no layer kernel) */
+        snprintf(name, sizeof name, "decoder_layer f%d steps rc", format);
+        record_int(name, done == S ? 0 : done < 0 ? -done : 100 + done);
+        float sampled[3 * 2];
+        for (int i = 0; i < S * R; ++i) sampled[i] = (float)tokens[R + i];
+        snprintf(name, sizeof name, "sampled f%d in decode steps", format);   /* compared exactly */
+        record(name, sampled, S * R);
+        snprintf(name, sizeof name, "decoder_layer f%d steps", format);
+        record_acts(name, hidden, R * H);
+        free(embedding), free(cos_table), free(sin_table), free(logits), free(cos_rows), free(sin_rows), free(head);
+    }
     for (int l = 0; l < 2; ++l)
         for (int j = 0; j < 7; ++j) free(owned[l][j]);
     free(kc), free(vc), free(cos), free(sin_), free(hidden), free(residual), free(normed), free(qkv), free(attn);
