@@ -26,7 +26,7 @@ from .errors import ConfigError
 from .inputs import ModelInputs, prepare_inputs
 from .models.registry import get_model_class
 from .models.weights import iter_weights
-from .sampler import Sampler, uniform_per_row, compute_prompt_logprobs
+from .sampler import Sampler, compute_prompt_logprobs, plain_temperature, uniform_per_row
 from .sampling_metadata import SamplingMetadata
 from .scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -286,14 +286,10 @@ class ModelRunner:
         meta = SamplingMetadata.build(reqs, vocab_size=self.vocab_size, device=self.device,
                                       generators_by_id=self.request_generators)
         assert all(meta.plain_rows), "multi-step decodes take plain rows only (SamplingParams.is_plain)"
-        stops = [tuple(r.sampling_params.all_stop_token_ids | set(r.sampling_params.stop_token_ids or ()))
-                 for r in reqs]
-        temperature = uniforms = None
+        stops = [tuple(r.sampling_params.all_stop_token_ids) for r in reqs]   # EOS and stop_token_ids
+        temperature, uniforms = plain_temperature(meta), None                               # [T] or None
         generators = (self.generator, *(g for _, g in meta.generators))
-        if not meta.all_greedy:
-            temperature = meta.temperature.clone()                                          # [T]
-            if meta.is_greedy is not None:
-                temperature[meta.is_greedy] = 0.0
+        if temperature is not None:
             states = [g.get_state() for g in generators]
             uniforms = self._uniforms(meta, sched.num_steps)                                # [steps, T]
         tokens = self.model.decode_steps(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,

@@ -143,12 +143,18 @@ def _sample_plain_rows_native(native, logits: torch.Tensor, meta: SamplingMetada
                               u: torch.Tensor | None) -> torch.Tensor:   # u: None only when every row is greedy
     """Every row drawn by the native kernel (kernels/csrc/cpu_sample.c) straight from the model's
     logits as if it were plain (temperature only; greedy rows: argmax); the caller keeps the plain rows'."""
+    return native.sample(logits, plain_temperature(meta), u, torch.get_num_threads())   # u: drawn for any random row
+
+
+def plain_temperature(meta: SamplingMetadata) -> torch.Tensor | None:
+    """Each row's temperature as the native sampler takes it (cpu_sample.c: 0 for a greedy row); None
+    when every row is greedy."""
     if meta.all_greedy:
-        return native.sample(logits, None, None, torch.get_num_threads())
-    temperature = meta.temperature.clone()
+        return None
+    temperature = meta.temperature.clone()                            # [num_rows]
     if meta.is_greedy is not None:
         temperature[meta.is_greedy] = 0.0
-    return native.sample(logits, temperature, u, torch.get_num_threads())   # u: drawn for any random row
+    return temperature
 
 
 def _exponential_noise(probs: torch.Tensor, generators: tuple[tuple[int, torch.Generator], ...],

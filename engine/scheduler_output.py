@@ -37,7 +37,8 @@ class SchedulerOutput:
     # Requests finished since the last step (the runner drops any state it keeps for them).
     finished_request_ids: tuple[str, ...] = ()
     # Forwards this step runs (> 1: a multi-step decode, engine/scheduler.py): every request feeds its
-    # one token, then the tokens it samples, greedily; each returns up to num_steps tokens.
+    # one token, then the tokens it samples (plainly: greedy or temperature only); each returns up to
+    # num_steps tokens.
     num_steps: int = 1
 
     @property

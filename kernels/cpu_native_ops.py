@@ -262,7 +262,7 @@ class NativeOps:
         every layer native (`decoder_layers`' one call), the head a small-rows native linear."""
         stack = self._stack(tuple(layers)) if layers else None
         if (stack is None or stack.caches(tuple(kv_caches)) is None or getattr(head, "native", None) is not self.kernels
-                or head.small_weight is None or head.bias is not None or head.in_features != layers[0].self_attn.s.hidden_size):
+                or head.small_weight is None or head.bias is not None):
             return 0
         return stack.max_rows
 
@@ -279,7 +279,7 @@ class NativeOps:
         stack = self._stack(layers)
         key_pointers, value_pointers, kv_dtype = stack.caches(kv_caches)
         dtype = stack.dtype
-        assert 0 < rows <= stack.max_rows == self.decode_steps_rows(layers, head, kv_caches) and attn.num_reqs == rows
+        assert 0 < rows <= stack.max_rows and attn.num_reqs == rows
         # The rotary rows of every position the steps reach (a view of the expanded whole tables).
         low = int(positions.min())
         high = int(positions.max()) + num_steps

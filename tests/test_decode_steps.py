@@ -69,7 +69,7 @@ class FakeStepsRunner:
                     token = self.token(s.request.request_id, len(seqs[i]))
                     seqs[i].append(token)
                     params = s.request.sampling_params
-                    stopped |= token in params.all_stop_token_ids | set(params.stop_token_ids or ())
+                    stopped |= token in params.all_stop_token_ids   # EOS and stop_token_ids
                 if stopped:
                     break
             sampled = [tuple(seq[s.request.num_tokens:]) for seq, s in zip(seqs, out.scheduled)]
