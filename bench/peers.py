@@ -119,10 +119,13 @@ def build_spec(args, workdir: Path) -> dict:
 
 
 def worker_env(threads: int) -> dict:
-    """Every system's environment: the threads pinned; the OpenMP wait as the user left it (vbatch
-    sets its own default in its process, kernels/openmp_env.py; the peers keep theirs)."""
+    """Every system's environment: the threads pinned; the OpenMP wait and torch's huge pages as the
+    user left them (vbatch sets its own defaults in its process, kernels/openmp_env.py and
+    kernels/thp_env.py; the peers keep theirs)."""
     from vbatch.kernels.openmp_env import without_defaults
-    env = dict(without_defaults(os.environ), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+    from vbatch.kernels.thp_env import without_default
+    env = dict(without_default(without_defaults(os.environ)), OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads),
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2", TOKENIZERS_PARALLELISM="false",
                VLLM_LOGGING_LEVEL="WARNING")
     return env

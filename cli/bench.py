@@ -34,7 +34,10 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
     tier = f", {report['cpu_tier']} kernels" if report.get("cpu_tier") else ""
     wait = f", {report['openmp_wait']}" if report.get("openmp_wait") else ""
     steps = f", up to {report['decode_steps']} decode steps a call" if report.get("decode_steps", 1) > 1 else ""
-    lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {report['threads']} threads{wait}{gemm}{steps}), "
+    huge = ", weights and KV cache on huge pages" if report.get("huge_pages") else ""
+    huge += f", {report['torch_huge_pages']}" if report.get("torch_huge_pages") else ""
+    lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {report['threads']} threads{wait}{gemm}{steps}"
+             f"{huge}), "
              f"engine built in {report['engine_build_s']:.1f} s (not timed)"]
     if report.get("compile_description"):
         lines.append(f"  compiled at start-up (inside the build): {report['compile_description']}")
@@ -172,6 +175,9 @@ def throughput(
         report["cpu_flags"] = detect().deciding_flags
         from ..kernels.openmp_env import describe
         report["openmp_wait"] = describe()   # how the OpenMP threads wait between parallel regions
+        from ..kernels.thp_env import describe as describe_thp
+        report["huge_pages"] = llm.engine.runner.huge_pages   # weights and KV cache (kernels/cpu_huge_pages.py)
+        report["torch_huge_pages"] = describe_thp()          # torch's own allocations (kernels/thp_env.py)
     from ..kernels.cpu_linear import describe
     gemm = describe(llm.engine.runner.model)
     if gemm is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from ..kernels import cpu_huge_pages
 from ..kernels.ops import Ops, get_ops
 from ..kernels.q8_0 import QuantizationError
 from .compile_times import CompileTimes, native_load
@@ -80,6 +81,7 @@ class ModelRunner:
         self.load_started = 0.0  # perf_counter() when load_model began
         self.cuda_graphs = None  # engine/cuda_graphs.DecodeGraphs once the KV cache exists (CUDA + Triton)
         self.warmup_seconds = 0.0
+        self.huge_pages = False  # CPU: the weights and KV cache are on huge pages (load_model)
         if device.type == "cpu":
             torch.set_num_threads(cpu_thread_count(config.model.num_threads))
 
@@ -101,6 +103,11 @@ class ModelRunner:
         model.load_weights(iter_weights(self.model_path))
         if hasattr(model, "finalize_weights"):
             model.finalize_weights()   # CPU: prepacks every GEMM weight (and its small-rows copy)
+        if self.device.type == "cpu":
+            # One arena on huge pages (fewer TLB misses as a decode step streams the weights),
+            # before the first forward keeps the weights' addresses (kernels/cpu_huge_pages.py).
+            cpu_huge_pages.place_module(model)
+            self.huge_pages = cpu_huge_pages.available()
         self.model = model.eval()
         # The native CPU sampler (kernels/csrc/cpu_sample.c) reads the model's own logits.
         self.sampler = Sampler(native=self.ops.native)
@@ -175,9 +182,12 @@ class ModelRunner:
         # NOTE: empty, not zeros: zeroing touches every page (the 4 GiB CPU default became 4 GiB of
         # RSS for any job). Every kernel reads only positions this step or earlier steps wrote, and
         # the kernel tests fill unowned blocks with NaN to prove no garbage leaks into a result.
-        self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.empty(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(self.model.num_layers)]
+        # CPU: advised for huge pages like the weights (kernels/cpu_huge_pages.py; still untouched).
+        def empty() -> torch.Tensor:
+            if self.device.type == "cpu":
+                return cpu_huge_pages.empty(shape, self.kv_dtype)
+            return torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = [(empty(), empty()) for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
         self.cuda_graphs = capture_decode_graphs(self)  # None off CUDA
         if self.ops is not None and self.ops.compiles_on_first_use:

@@ -107,6 +107,16 @@ def test_greedy_matches_transformers_on_every_lower_cpu_tier(smollm2_path, promp
     assert not mismatches, f"{tier}: prompts {mismatches} differ"
 
 
+def test_greedy_matches_transformers_without_huge_pages(smollm2_path, prompts, hf_greedy, monkeypatch):
+    # The cases above run with the weights and KV cache on huge pages where the OS has them
+    # (kernels/cpu_huge_pages.py); VBATCH_HUGE_PAGES=0 leaves them where loading put them.
+    monkeypatch.setenv("VBATCH_HUGE_PAGES", "0")
+    llm, ours = _run(smollm2_path, prompts, max_num_seqs=20)
+    assert not llm.engine.runner.huge_pages
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, hf_greedy)) if a != b]
+    assert not mismatches, f"without huge pages: prompts {mismatches} differ"
+
+
 def test_greedy_matches_under_preemption(smollm2_path, prompts, hf_greedy):
     # 16 usable blocks of 16 tokens (one max_model_len sequence) for 20 sequences of up to
     # ~175 tokens: the scheduler must preempt and recompute.

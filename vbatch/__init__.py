@@ -22,10 +22,12 @@ def _leave_the_checkout_root_off_sys_path() -> None:
 
 _leave_the_checkout_root_off_sys_path()
 
-from .kernels import openmp_env  # noqa: E402  (after the sys.path fix: it imports nothing outside vbatch)
+from .kernels import openmp_env, thp_env  # noqa: E402  (after the sys.path fix: they import nothing outside vbatch)
 
-# Before anything imports torch (and with it the OpenMP runtime): kernels/openmp_env.py.
+# Before anything imports torch (and with it the OpenMP runtime and torch's allocator):
+# kernels/openmp_env.py, kernels/thp_env.py.
 openmp_env.apply_defaults()
+thp_env.apply_default()
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
