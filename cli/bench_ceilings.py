@@ -14,7 +14,6 @@ The math is pure (tested on known numbers); only `measure_*` touch torch.
 from __future__ import annotations
 
 import math
-
 import time
 from dataclasses import asdict, dataclass
 
@@ -160,12 +159,13 @@ def measure_bandwidth_gb_s(num_bytes: int = 512 * 2**20, repeats: int = 5) -> tu
     """(read GB/s, copy GB/s) over an fp32 tensor of `num_bytes` (far larger than any cache).
 
     The read rate is the fastest of torch's sum() (one sequential stream per thread) and, where the
-    native kernels load, a plain read with 2, 4 and 8 streams per thread (kernels/csrc/cpu_read_probe.c): one stream
-    per core keeps fewer misses in flight than the memory system can serve, and the small-rows
-    linear reads its weights as several streams, so a one-stream probe would understate the
-    ceiling it is held to. Where the OS gives huge pages, the reads run over such a tensor too
-    (vbatch's weights live on them, kernels/cpu_huge_pages.py; 4 KiB pages read 8-10% slower on the
-    Intel Xeon of session 21) and the best of both counts."""
+    native kernels load, a plain read with 1, 2, 4 and 8 streams per thread
+    (kernels/csrc/cpu_read_probe.c): on some CPUs one stream per core keeps fewer misses in flight
+    than the memory system can serve (Zen 3), on others it reads fastest (the Intel Xeon of
+    session 21), and the small-rows linear reads its weights as several streams, so the best of
+    them is the ceiling it is held to. Where the OS gives huge pages, the reads also run over such
+    a tensor (vbatch's weights live on them, kernels/cpu_huge_pages.py; 4 KiB pages read 8-10%
+    slower on that Xeon), and the best of both counts."""
     import torch
 
     from ..kernels import cpu_huge_pages, cpu_native
