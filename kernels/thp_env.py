@@ -6,8 +6,8 @@ ask for them, before torch loads (torch-free: imported by vbatch/__init__.py).
     describe() -> str | None       the setting in effect, for reports (`vbatch bench`); None: off
     without_default(env) -> dict   env less what vbatch set (for peers' processes: their own defaults)
 
-torch's CPU allocator advises each allocation of 2 MiB or more for huge pages (and aligns it to
-2 MiB) when THP_MEM_ALLOC_ENABLE=1 is set at its first allocation, which is inside `import torch`:
+torch's CPU allocator advises each allocation of 2 MiB or more for huge pages when
+THP_MEM_ALLOC_ENABLE=1 is set at its first allocation, which is inside `import torch`:
 so this must run before the first `import torch` of the process, and does (every entry point
 imports the `vbatch` package first). The weights and the KV cache are placed on huge pages by
 vbatch itself (kernels/cpu_huge_pages.py), whenever torch was imported; this covers the rest: the

@@ -97,26 +97,18 @@ import json, sys
 exec(sys.argv[1])                                  # the imports, in the order under test
 import torch
 x = torch.empty(8 << 20, dtype=torch.uint8)        # one of torch's own allocations, 8 MiB
-address, flags = x.data_ptr(), None
-with open("/proc/self/smaps") as f:
-    for line in f:
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            start, end = (int(v, 16) for v in head.split("-"))
-            inside = start <= address < end
-        elif inside and line.startswith("VmFlags"):
-            flags = line.split()[1:]
-            break
+sys.path.insert(0, sys.argv[2])
+from test_cpu_huge_pages import advised            # this file's reading of /proc/self/smaps
 from vbatch.kernels import thp_env
-print(json.dumps({"advised": "hg" in flags, "described": thp_env.describe()}))
+print(json.dumps({"advised": advised(x), "described": thp_env.describe()}))
 """
 
 
 def _torch_allocation(imports: str, **env: str) -> dict:
     """How a child process's torch allocation came out, the modules imported as `imports` first."""
     child_env = {k: v for k, v in os.environ.items() if k not in (thp_env.TORCH_KNOB, thp_env.SWITCH)} | env
-    done = subprocess.run([sys.executable, "-c", TORCH_ALLOCATION, imports], env=child_env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", TORCH_ALLOCATION, imports, os.path.dirname(__file__)],
+                          env=child_env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
