@@ -94,10 +94,11 @@ class CpuFeatures:
         return self.vendor == "AuthenticAMD"
 
     @property
-    def stream_prefetch_bytes(self) -> int:
-        """How far ahead the fp32-arithmetic small-rows kernel prefetches each weight stream (0: not
-        at all; kernels/csrc/cpu_linear_small.c rows_f32): measured to help on Intel, not on AMD."""
-        return 1024 if self.vendor == "GenuineIntel" else 0
+    def prefetches_weight_streams(self) -> bool:
+        """Whether the small-rows kernels prefetch each weight stream ahead of its loads (each at its
+        own measured distance: kernels/csrc/cpu_linear_small.c): measured to help on Intel; on AMD
+        no gain on Zen 3, and on Zen 4 a loss at 2-4 rows."""
+        return self.vendor == "GenuineIntel"
 
     @property
     def tiers(self) -> tuple[CpuTier, ...]:

@@ -74,9 +74,8 @@ def _cache_dir() -> Path:
 
 def build_flags(tier: CpuTier, cpu: CpuFeatures | None = None) -> tuple[str, ...]:
     """The compiler flags of `tier`'s build on `cpu` (default: this machine's)."""
-    prefetch = (cpu or detect()).stream_prefetch_bytes
-    return (*FLAGS, *tier.compile_flags, *((f"-DVB_F32_PREFETCH={prefetch}",) if prefetch else ()),
-            *_extra_flags())
+    prefetch = ("-DVB_PREFETCH_STREAMS",) if (cpu or detect()).prefetches_weight_streams else ()
+    return (*FLAGS, *tier.compile_flags, *prefetch, *_extra_flags())
 
 
 def _extra_flags() -> tuple[str, ...]:

@@ -26,6 +26,11 @@
 
 #define MAX_ROWS 8
 
+/* VB_PREFETCH_STREAMS: defined by the build on Intel CPUs (cpu_features.CpuFeatures.
+ * prefetches_weight_streams), where prefetching each weight stream ahead of its loads helps the bf16
+ * and fp32 kernels below; each has its own distance, measured, and a -D of it overrides the choice
+ * (VBATCH_NATIVE_CFLAGS, for measuring). The Q8_0 rows prefetch on every CPU (their NOTE). */
+
 /* This thread's contiguous share [*begin, *end) of `count` units (tiles or rows), the team's threads
  * in order: each thread then reads its part of the weight as a few streams (below). */
 static inline void team_share(int count, int *begin, int *end) {
@@ -50,9 +55,23 @@ static inline void team_share(int count, int *begin, int *end) {
  * passes), at 1 / 2 / 4 rows of x: 14.2 / 12.8 / 11.0 GB/s one tile after another (the kernel
  * before), 19.5 / 18.4 / 16.3 with four streams (eight: 19.0 at one row), 22.3-22.9 / 19.9-20.3 /
  * 18.5-19.8 with each stream also prefetched 2 KB ahead (512 B: 20.4-20.9, 1 KB: 20.2-21.8, 3 KB:
- * 22.3, 4 KB: 20.9-21.8). */
+ * 22.3, 4 KB: 20.9-21.8).
+ * NOTE: on Zen 4 the prefetch does not help (AMD EPYC, avx512_bf16, 2 threads, the same script,
+ * each build in its own process, 5 alternating rounds, medians): at 1 / 2 / 4 rows 26.1 / 20.5 /
+ * 21.1 GB/s with it, 26.2 / 23.9 / 23.1 without (2 and 4 rows: every round; 3 more rounds with the
+ * instruction left out: 2 rows 23.9-25.5 against 19.3-23.8, 4 rows 20.1-24.5 against 20.3-21.0). One stream per thread
+ * there: 20-28 GB/s at one row, 15-23 at four; two streams 20-28 / 18-25. So the 2 KB prefetch is
+ * built in on Intel only (VB_PREFETCH_STREAMS above), the four streams everywhere. */
+#ifndef BF16_STREAMS
 #define BF16_STREAMS 4
+#endif
+#ifndef BF16_PREFETCH
+#ifdef VB_PREFETCH_STREAMS
 #define BF16_PREFETCH 2048
+#else
+#define BF16_PREFETCH 0
+#endif
+#endif
 static inline __attribute__((always_inline)) void tiles(
         const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int n_out, int k_in, const int *n0, int last,
         const int S, const int M) {
@@ -75,7 +94,7 @@ static inline __attribute__((always_inline)) void tiles(
             for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (int64_t)m * k_in + 32 * c);
             for (int s = 0; s < S; ++s) {
                 const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[s] + 32 * c);
-                __builtin_prefetch((const char *)(wr[s] + 32 * c) + BF16_PREFETCH);
+                if (BF16_PREFETCH) __builtin_prefetch((const char *)(wr[s] + 32 * c) + BF16_PREFETCH);
                 for (int m = 0; m < M; ++m) acc[s][m] = _mm512_dpbf16_ps(acc[s][m], xv[m], wv);
             }
         }
@@ -220,10 +239,14 @@ static inline __attribute__((always_inline)) void rows_q8(
  * NOTE: on Intel the same prefetch helps: on the Xeon of docs/performance.md (`python
  * bench/small_rows.py --dtype float32 --weights float16 --rows 1`, 2 threads, alternating) 1 KB
  * ahead took the avx2 tier from 21.5 to 24.2 GB/s (medians of 4 rounds) and the AVX-512 tier from
- * 21.7 to 25.6 (3 rounds); 2-3 KB gained less. So the build defines VB_F32_PREFETCH (the bytes
- * ahead) on Intel CPUs only (cpu_features.CpuFeatures.stream_prefetch_bytes). */
+ * 21.7 to 25.6 (3 rounds); 2-3 KB gained less. So it is built in on Intel CPUs only
+ * (VB_PREFETCH_STREAMS above). */
 #ifndef VB_F32_PREFETCH
+#ifdef VB_PREFETCH_STREAMS
+#define VB_F32_PREFETCH 1024
+#else
 #define VB_F32_PREFETCH 0
+#endif
 #endif
 static inline __attribute__((always_inline)) void rows_f32(
         const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int *n,
