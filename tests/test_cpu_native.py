@@ -18,6 +18,10 @@ forward for the fused decoder layer. Tolerances:
 """
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -205,6 +209,24 @@ def test_small_rows_prefetch_is_built_in_on_intel_only():
         for vendor in ("GenuineIntel", "AuthenticAMD", "")}
     assert "-DVB_PREFETCH_STREAMS" in flags["GenuineIntel"]
     assert not any("PREFETCH" in f for f in flags["AuthenticAMD"] + flags[""])
+    # and the source turns that flag into each kernel's distance: the preprocessor's own account of
+    # cpu_linear_small.c's bf16 and fp32 variants under each vendor's flags (the bf16 kernel's block
+    # needs avx512_bf16 targets, which preprocessing asks of no CPU)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs an x86-64 C compiler (cc or gcc) to preprocess the kernel source")
+    distances = {vendor: {} for vendor in flags}
+    for vendor, vendor_flags in flags.items():
+        for _, defines in (native_build.VARIANTS[torch.bfloat16, torch.bfloat16],
+                           native_build.VARIANTS[torch.float32, torch.float32]):
+            macros = subprocess.run([cc, *vendor_flags, *defines, "-mavx512f", "-mavx512bf16", "-E", "-dM",
+                                     f"-I{native_build.CSRC}", str(native_build.CSRC / "cpu_linear_small.c")],
+                                    capture_output=True, text=True, check=True).stdout
+            distances[vendor] |= {name: int(value) for _, name, value in
+                                  (line.split() for line in macros.splitlines() if line.startswith("#define ")
+                                   and line.split()[1] in ("BF16_PREFETCH", "VB_F32_PREFETCH"))}
+    assert distances["GenuineIntel"] == {"BF16_PREFETCH": 2048, "VB_F32_PREFETCH": 1024}
+    assert distances["AuthenticAMD"] == distances[""] == {"BF16_PREFETCH": 0, "VB_F32_PREFETCH": 0}
 
 
 # --- the small-rows linear (kernels/csrc/cpu_linear_small.c) --------------------------------------

@@ -58,10 +58,11 @@ static inline void team_share(int count, int *begin, int *end) {
  * 22.3, 4 KB: 20.9-21.8).
  * NOTE: on Zen 4 the prefetch does not help (AMD EPYC, avx512_bf16, 2 threads, the same script,
  * each build in its own process, 5 alternating rounds, medians): at 1 / 2 / 4 rows 26.1 / 20.5 /
- * 21.1 GB/s with it, 26.2 / 23.9 / 23.1 without (2 and 4 rows: every round; 3 more rounds with the
- * instruction left out: 2 rows 23.9-25.5 against 19.3-23.8, 4 rows 20.1-24.5 against 20.3-21.0). One stream per thread
- * there: 20-28 GB/s at one row, 15-23 at four; two streams 20-28 / 18-25. So the 2 KB prefetch is
- * built in on Intel only (VB_PREFETCH_STREAMS above), the four streams everywhere. */
+ * 21.1 GB/s with it, 26.2 / 23.9 / 23.1 without (2 and 4 rows: every round; 3 more rounds with
+ * the instruction left out: 2 rows 23.9-25.5 against 19.3-23.8, 4 rows 20.1-24.5 against
+ * 20.3-21.0). One stream per thread there: 20-28 GB/s at one row, 15-23 at four; two streams
+ * 20-28 / 18-25. So the 2 KB prefetch is built in on Intel only (VB_PREFETCH_STREAMS above), the
+ * four streams everywhere. */
 #ifndef BF16_STREAMS
 #define BF16_STREAMS 4
 #endif
