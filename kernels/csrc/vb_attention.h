@@ -63,7 +63,8 @@ static inline ItemView item_view(const Problem *p, const Item *it, int head_dim)
 typedef struct {
     float scores[MAX_GROUP * MAX_BLOCK_SIZE];  /* [G, block_size rounded up to 16] of the current block */
     float *acc;                                /* [heads in item, G, D] */
-    float *mx, *sum;                           /* [heads in item, G] */
+    float *mx, *sum;                           /* [heads in item, G]; sum: [heads in item, G, VL] lanes on
+                                                  the 16-lane one-row path */
     /* the tiled (many-row) path: one kv head at a time */
     float *tacc;                               /* [ROWS_PER_ITEM * G, D] */
     float *tm;                                 /* [ROWS_PER_ITEM * G] running max */
