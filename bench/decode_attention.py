@@ -3,6 +3,7 @@
     python bench/decode_attention.py [--batch 256] [--positions 384] [--layers 30] [--threads 2]
                                      [--order random|in-order] [--dtype bfloat16] [--kv-dtype ...]
                                      [--calls 20] [--repeats 5] [--tier avx2]
+                                     [--query-rows 1] [--against OTHER/libvbatch_cpu.so]
 
 Builds a KV cache per layer with SmolLM2-135M's attention shapes (9 query heads, 3 kv heads of 64
 dims, blocks of 16), gives each of --batch requests --positions positions in blocks placed at
@@ -13,6 +14,13 @@ microseconds, not the wrapper's tensor checks). Prints, best of --repeats: micro
 the cache bytes read per second, and nanoseconds per (position, kv head) for one thread.
   Memory-bound (the engine's case): the defaults (30 layers: 2.3 GB of bf16 cache).
   Arithmetic-bound: --batch 4 --positions 256 --layers 1 --threads 1 --calls 1000 (in L2).
+  Prefill: --query-rows 256 (each request's last 256 positions are query rows: the tiled path).
+--against LIB times another build of the same entry point in the same process, alternating rounds
+(--repeats of them), and prints each's median and the median of the per-round time ratios: the way
+to compare two commits' kernels on a noisy machine, where two processes minutes apart differ by
+more than the change. LIB: the other commit's library, $VBATCH_CACHE/kernels/<key>/libvbatch_cpu.so
+(built by running anything of that checkout once; its entry points must take this commit's
+arguments, as they have since the bf16 kernel of session 2).
 docs/performance.md ("Decode attention in chunks: tried, not kept") records what it measured. Run it in its own
 high-priority session on a shared machine (REFERENCE 8):
     setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/decode_attention.py
@@ -20,6 +28,8 @@ high-priority session on a shared machine (REFERENCE 8):
 from __future__ import annotations
 
 import argparse
+import ctypes
+import statistics
 import time
 
 
@@ -36,6 +46,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls per timing")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tier", default=None, help="a lower native tier this CPU runs (default: its best)")
+    ap.add_argument("--query-rows", type=int, default=1, help="query rows per request (1: decode; more: prefill)")
+    ap.add_argument("--against", default=None, help="another build's libvbatch_cpu.so, timed alternately")
     args = ap.parse_args()
 
     import torch
@@ -58,30 +70,54 @@ def main() -> None:
     tables = ids.view(args.batch, per_req).contiguous()
     caches = [tuple(torch.randn(num_blocks, bs, kv_heads, head_dim, generator=generator).to(kv_dtype)
                     for _ in range(2)) for _ in range(args.layers)]
-    query = torch.randn(args.batch, q_heads, head_dim, generator=generator).to(dtype)
-    out = torch.empty_like(query)
-    starts = torch.arange(args.batch + 1, dtype=torch.int32)
+    rows = args.query_rows
+    if not 1 <= rows <= args.positions:
+        raise SystemExit(f"--query-rows must be 1 to --positions ({args.positions}), got {rows}")
+    query = torch.randn(args.batch * rows, q_heads, head_dim, generator=generator).to(dtype)
+    starts = torch.arange(args.batch + 1, dtype=torch.int32) * rows
     lens = torch.full((args.batch,), args.positions, dtype=torch.int32)
-    fn = native._fn("vb_paged_attention", dtype, kv_dtype)
-    head = (query.data_ptr(), q_heads * head_dim, out.data_ptr())
+    name = f"vb_paged_attention_{native_build.entry_suffix(dtype, kv_dtype)}"
+    builds = {"this build": getattr(native.library, name)}
+    if args.against:
+        other = getattr(ctypes.CDLL(args.against), name, None)
+        if other is None:
+            raise SystemExit(f"{args.against} has no {name}")
+        other.restype, other.argtypes = builds["this build"].restype, builds["this build"].argtypes
+        builds["--against"] = other
+    outs = {label: torch.empty_like(query) for label in builds}
     tail = (tables.data_ptr(), per_req, starts.data_ptr(), lens.data_ptr(), args.batch, q_heads, kv_heads, head_dim,
             bs, head_dim ** -0.5, args.threads)
-    calls = [(*head, k.data_ptr(), v.data_ptr(), *tail) for k, v in caches]
+    calls = {label: [(query.data_ptr(), q_heads * head_dim, outs[label].data_ptr(), k.data_ptr(), v.data_ptr(), *tail)
+                     for k, v in caches] for label in builds}
 
-    def timed() -> float:
+    def timed(label: str) -> float:
+        fn, label_calls = builds[label], calls[label]
         start = time.perf_counter()
         for i in range(args.calls):
-            if fn(*calls[i % len(calls)]) != 0:
-                raise SystemExit("the native attention refused the shape")
+            if fn(*label_calls[i % len(label_calls)]) != 0:
+                raise SystemExit(f"the native attention ({label}) refused the shape")
         return (time.perf_counter() - start) / args.calls
 
-    timed()
-    best = min(timed() for _ in range(args.repeats))
+    times: dict[str, list[float]] = {label: [] for label in builds}
+    for label in builds:
+        timed(label)
+    for r in range(args.repeats):  # alternating rounds: A B, B A, ...
+        for label in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
+            times[label].append(timed(label))
+    best = min(times["this build"])
     cache_bytes = args.batch * args.positions * kv_heads * head_dim * 2 * kv_dtype.itemsize
     per_unit = best * 1e9 * args.threads / (args.batch * args.positions * kv_heads)
-    print(f"{tier.name} {args.dtype} queries, {kv_dtype} cache, {args.batch} x {args.positions} positions, "
+    shape = f"{args.batch} x {args.positions} positions" + (f" ({rows} query rows each)" if rows > 1 else "")
+    print(f"{tier.name} {args.dtype} queries, {kv_dtype} cache, {shape}, "
           f"{args.layers} layer(s), blocks {args.order}, {args.threads} thread(s): {best * 1e6:.1f} us per call, "
           f"{cache_bytes / best / 1e9:.1f} GB/s, {per_unit:.1f} ns per (position, kv head) and thread")
+    if args.against:
+        ratios = sorted(a / b for a, b in zip(times["this build"], times["--against"]))
+        diff = (outs["this build"].float() - outs["--against"].float()).abs().max().item()
+        print(f"this build {statistics.median(times['this build']) * 1e6:.1f} us, --against "
+              f"{statistics.median(times['--against']) * 1e6:.1f} us (medians of {args.repeats} alternating rounds); "
+              f"time ratio this / against: median {statistics.median(ratios):.3f} "
+              f"(rounds {ratios[0]:.3f}-{ratios[-1]:.3f}); outputs differ by at most {diff:.3g}")
 
 
 if __name__ == "__main__":

@@ -401,6 +401,27 @@ def test_decode_attention_script_times_the_kernel(dtype, kv_dtype):
     assert " GB/s, " in done.stdout and " ns per (position, kv head) and thread" in done.stdout, done.stdout
 
 
+def test_decode_attention_script_races_another_build():
+    # --against: the same entry point of another library, alternating rounds in one process. Given
+    # this build's own library, both compute the same outputs (on the tiled path: --query-rows 8).
+    import subprocess
+    import sys
+    from pathlib import Path
+    from vbatch.kernels import cpu_features, cpu_native
+    native = cpu_native.load(cpu_features.selected_tier())
+    if native is None:
+        pytest.skip("no native kernels on this machine (no C compiler)")
+    script = Path(__file__).resolve().parents[1] / "bench" / "decode_attention.py"
+    done = subprocess.run([sys.executable, str(script), "--batch", "2", "--positions", "64", "--layers", "1",
+                           "--threads", "1", "--calls", "2", "--repeats", "3", "--dtype", "float32",
+                           "--kv-dtype", "float16", "--query-rows", "8", "--against", str(native.path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 x 64 positions (8 query rows each), 1 layer(s)" in done.stdout, done.stdout
+    assert "(medians of 3 alternating rounds); time ratio this / against: median " in done.stdout, done.stdout
+    assert "outputs differ by at most 0\n" in done.stdout, done.stdout
+
+
 def test_peers_report_ceilings_are_the_best_measurement():
     # Ceilings before and after the runs: the larger rate counts (interference only lowers one),
     # and a measurement without a bf16 GEMM rate is skipped, not a crash.
