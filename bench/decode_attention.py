@@ -19,8 +19,8 @@ the cache bytes read per second, and nanoseconds per (position, kv head) for one
 (--repeats of them), and prints each's median and the median of the per-round time ratios: the way
 to compare two commits' kernels on a noisy machine, where two processes minutes apart differ by
 more than the change. LIB: the other commit's library, $VBATCH_CACHE/kernels/<key>/libvbatch_cpu.so
-(built by running anything of that checkout once; its entry points must take this commit's
-arguments, as they have since the bf16 kernel of session 2).
+(built by running anything of that checkout once); its entry point must take this commit's
+arguments (388b602's bf16 one does: docs/benchmarks.md "Zen 4 after the AVX2 work").
 docs/performance.md ("Decode attention in chunks: tried, not kept") records what it measured. Run it in its own
 high-priority session on a shared machine (REFERENCE 8):
     setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/decode_attention.py
