@@ -23,9 +23,11 @@
  * upcast to fp32 in registers (bf16), while the next block is prefetched (the blocks of a request sit
  * anywhere in the cache, so the hardware prefetcher cannot guess the jump).
  * NOTE: the one-row loop keeps each softmax sum per lane (a vector, summed across lanes once at
- * the row's end) instead of a horizontal sum per block: on Zen 4, in one process against
- * 388b602's kernel (alternating rounds, medians), 4 rows x 256 positions in L2 1.03-1.05x slower
- * -> 0.95-0.97x, 256 rows x 384 positions over 30 layers 1.05x -> 0.98x.
+ * the row's end) instead of a horizontal sum per block. On Zen 4, in one process
+ * (bench/decode_attention.py --against, alternating rounds, medians), 4 rows x 256 positions in
+ * L2: 0.92x the time of the per-block sums, 0.95-0.97x 388b602's kernel (1.03-1.04x before).
+ * Memory-bound (256 rows x 384 positions, 30 layers) it changes nothing: 1.003-1.005x the
+ * per-block sums (3 runs).
  * NOTE: q.k uses vdpbf16ps for bf16 where the CPU has avx512_bf16 (bf16 pairs multiplied exactly,
  * summed in fp32: the products the reference gets by upcasting both sides), fp32 FMAs otherwise.
  * NOTE: exp is vb_simd.h's polynomial (relative error about 1e-7).
