@@ -6,8 +6,9 @@ sums of 32 products, block scales and the row scale in float64), exact integers 
 exactly representable, and F.linear on the dequantized weights within the rows' rounding. The shapes
 cover each edge of the blocking: rows not a multiple of the 6-row tile (1-5 left over) or of the
 96-row block, outputs not a multiple of the 16-output panel (a padded last panel), K above the
-k block sized to the L1 cache (544 on a 32 KiB L1, 832 on 48 KiB: near-equal blocks of whole 32s,
-1,888 in two unequal ones), rows apart in memory (a view), 1-3 threads.
+k block sized to the L2 cache (1,152 on a 512 KiB L2, 2,336 on 1 MiB, 4,672 on 2 MiB: near-equal
+blocks of whole 32s; 1,888, 2,400 and 4,704 go in two unequal ones on the first, second and third,
+9,440 in three on the third), rows apart in memory (a view), 1-3 threads.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from vbatch.kernels.native_build import NativeKernelError
 
 SHAPES = [  # (rows, outputs, K)
     (1, 1, 32), (5, 17, 64), (6, 16, 32), (7, 33, 96), (13, 200, 576), (97, 49, 1536), (100, 960, 576),
-    (191, 40, 800), (12, 15, 832), (9, 20, 1888), (0, 16, 32)]
+    (191, 40, 800), (12, 15, 832), (9, 20, 1888), (7, 17, 2400), (3, 20, 4704), (11, 33, 9440),
+    (0, 16, 32)]
 VNNI = [False, True] if cpu_features.detect().has("avx_vnni") else [False]
 
 

@@ -233,16 +233,24 @@ static void panel_rows(int nc, int r0, int r1, int k0, int kc, int last, int vnn
     }
 }
 
-/* The most k per block: a panel's block (32 bytes per k) and the 6-row tile's rows (12 bytes per k)
- * in three quarters of the L1 data cache, a multiple of 32. On the Intel Xeon (48 KiB L1) that is
- * 832, and blocks of up to 768-1,024 ran 3-5% faster than 512 or 256 (bench/gemm_backends.py
- * --q8-0); Zen 3's 32 KiB gives 544, so SmolLM2's K = 1,536 goes in 3 blocks there, 2 here. */
+/* The most k per block: the 96-row block of int16 activations and one panel's block of weights
+ * ((MC + NR) x 2 bytes per k) in half the L2 cache, a multiple of 32: 2,336 for 1 MiB (Zen 4), 1,152
+ * for 512 KiB (Zen 3), 4,672 for 2 MiB (the Intel Xeon).
+ * NOTE: why the L2 and not the L1. Until session 24 the bound was a panel's block and the 6-row tile
+ * in three quarters of the L1 (544 for 32 KiB), which cut K = 576 into two blocks of 288 and 1,536
+ * into three of 512. Raced in one process on Zen 4 (32 KiB L1, 1 MiB L2, the avx2 tier held, no
+ * VNNI; /tmp harness alternating the block size, 15 rounds, SmolLM2's four layer shapes summed) the
+ * L2 bound ran 0.90-1.02x the L1 bound's time (median 0.93) at 16-2,048 rows, and per shape the
+ * split of K = 576 alone cost 2-10%. At K = 4,096-8,192 any block from 544 to unblocked was within
+ * 3%: the kernel is bound by its multiply-adds, and the panel streams from L2 as fast as from L1
+ * (each 6-row tile issues 8 loads per 12 vpmaddwd). The Intel Xeon's session-15 race (768-1,024
+ * ahead of 256-512) agrees; its unblocked K = 1,536 was not tried. */
 static int kc_max(void) {
     static int cached;
     if (!cached) {
-        long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-        if (l1 < 16 * 1024 || l1 > 1024 * 1024) l1 = 32 * 1024;  /* unknown (0 / -1) or implausible */
-        int kc = (int)(l1 * 3 / 4 / 44) / VB_Q8_BLOCK * VB_Q8_BLOCK;
+        long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        if (l2 < 128 * 1024 || l2 > 64 * 1024 * 1024) l2 = 512 * 1024;  /* unknown (0 / -1) or implausible */
+        int kc = (int)(l2 / 2 / (2 * (MC + NR))) / VB_Q8_BLOCK * VB_Q8_BLOCK;
         cached = kc < VB_Q8_BLOCK ? VB_Q8_BLOCK : kc;
     }
     return cached;
