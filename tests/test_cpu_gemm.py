@@ -2,8 +2,9 @@
 against torch's F.linear in float64, on every native build of this CPU that has it (AVX2 + FMA).
 
 The shapes cover each edge of its blocking: rows not a multiple of its 6-row tile (1-5 left over) or
-of its 96-row block, outputs not a multiple of its 16-output panel (a masked last panel), K not a
-multiple of its 256 block (near-equal blocks), rows apart in memory (a view), and teams of 1-3 threads
+of its 96-row block, outputs not a multiple of its 16-output panel (a masked last panel), K above its
+k block sized to the L2 (vb_blocking.h: 576 on a 512 KiB L2, 1,152 on 1 MiB, 2,304 on 2 MiB; 2,401 and
+4,700 go in 2-9 near-equal blocks on each), rows apart in memory (a view), and teams of 1-3 threads
 whose panel shares may be empty.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from vbatch.kernels import cpu_features, cpu_linear, gemm_libraries
 
 SHAPES = [  # (rows, outputs, K)
     (1, 1, 1), (5, 17, 3), (7, 33, 300), (13, 16, 257), (6, 15, 513), (97, 49, 1536), (256, 576, 576),
-    (11, 8, 64), (191, 40, 777), (0, 16, 8)]
+    (11, 8, 64), (191, 40, 777), (9, 20, 2401), (5, 33, 4700), (0, 16, 8)]
 
 
 def _gemm(native):

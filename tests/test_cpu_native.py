@@ -192,6 +192,14 @@ def test_build_is_cached_per_tier_and_a_missing_compiler_is_reported(tmp_path, m
         native_build.build(tier, compiler=str(tmp_path / "no-such-cc"))
 
 
+def test_every_kernel_source_is_compiled_or_hashed_into_the_build_key():
+    """A file of kernels/csrc that neither SOURCES nor HEADERS names would be edited without the
+    cached library being rebuilt (the key hashes only those)."""
+    named = {path.name for path in (*native_build.SOURCES, *native_build.HEADERS)}
+    on_disk = {path.name for path in native_build.CSRC.iterdir() if path.suffix in (".c", ".h")}
+    assert on_disk == named
+
+
 def test_extra_build_flags_come_from_the_environment(monkeypatch):
     # VBATCH_NATIVE_CFLAGS (an ASan build, docs/development.md) joins the flags, so the cache key too
     tier = cpu_features.PORTABLE

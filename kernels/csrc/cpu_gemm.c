@@ -8,8 +8,8 @@
  * (outputs 16p .. 16p + 15) is [K][16], k-major; a last panel of r < 16 outputs is [K][r]. So the
  * packed weight holds N x K floats, like W, and keeps W's shape.
  * Blocking (as BLIS's): each thread takes a contiguous range of panels; K goes in near-equal blocks
- * of at most KC (a panel's block, KC x 64 B, stays in L1 while every 6-row tile of a row block uses
- * it); rows go in blocks of MC (MC x KC of x stays in L2 while the thread's panels pass). The micro
+ * of at most kc_max() (vb_blocking.h: a panel's block, 64 B per k, and the MC rows' block of x, MC x
+ * 4 B per k, in half the L2: 1,152 for 1 MiB, 576 for 512 KiB); rows go in blocks of MC. The micro
  * tile is 6 rows x 16 outputs: 12 accumulators, and per k two loads of W and six broadcasts of x.
  *
  * NOTE: why by hand, and why intrinsics. On Zen 3 (2 threads, SmolLM2's layer shapes) oneDNN's fp32
@@ -23,11 +23,11 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "vb_blocking.h"
 #include "vb_kernels.h"
 
 #define NR 16   /* outputs per panel */
 #define MR 6    /* rows per micro tile */
-#define KC 256  /* most k per block */
 #define MC 96   /* rows per block */
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -101,10 +101,21 @@ static void panel_rows(int whole, int nc, int r0, int r1, int k0, int kc, const 
 #undef VB_GEMM_LEFT
 }
 
+/* Until session 24 the block was 256 (a panel's block in the L1), which cut K = 576 in three and
+ * 1,536 in six. On Zen 4 with the avx2 tier held (2 threads, SmolLM2's four layer shapes summed, 7
+ * rounds alternating in one process with oneDNN), blocks of 576-1,536 ran 0.95-0.98x oneDNN's time at
+ * 256-8,192 rows, where 256 ran 1.01-1.06x. */
+static int kc_max(void) {
+    static int cached;
+    if (!cached) cached = vb_k_block((long)((MC + NR) * sizeof(float)), 64);
+    return cached;
+}
+
 int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int m, int n, int k, int num_threads) {
     const int panels = (n + NR - 1) / NR;
-    const int k_blocks = (k + KC - 1) / KC, kb = (k + k_blocks - 1) / k_blocks;  /* k >= 1 */
+    const int kc_most = kc_max();
+    const int k_blocks = (k + kc_most - 1) / kc_most, kb = (k + k_blocks - 1) / k_blocks;  /* k >= 1 */
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();

@@ -38,8 +38,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
+#include "vb_blocking.h"
 #include "vb_kernels.h"
 
 #define NR 16   /* outputs per panel */
@@ -233,26 +233,15 @@ static void panel_rows(int nc, int r0, int r1, int k0, int kc, int last, int vnn
     }
 }
 
-/* The most k per block: the 96-row block of int16 activations and one panel's block of weights
- * ((MC + NR) x 2 bytes per k) in half the L2 cache, a multiple of 32: 2,336 for 1 MiB (Zen 4), 1,152
- * for 512 KiB (Zen 3), 4,672 for 2 MiB (the Intel Xeon).
- * NOTE: why the L2 and not the L1. Until session 24 the bound was a panel's block and the 6-row tile
- * in three quarters of the L1 (544 for 32 KiB), which cut K = 576 into two blocks of 288 and 1,536
- * into three of 512. Raced in one process on Zen 4 (32 KiB L1, 1 MiB L2, the avx2 tier held, no
- * VNNI; /tmp harness alternating the block size, 15 rounds, SmolLM2's four layer shapes summed) the
- * L2 bound ran 0.90-1.02x the L1 bound's time (median 0.93) at 16-2,048 rows, and per shape the
- * split of K = 576 alone cost 2-10%. At K = 4,096-8,192 any block from 544 to unblocked was within
- * 3%: the kernel is bound by its multiply-adds, and the panel streams from L2 as fast as from L1
- * (each 6-row tile issues 8 loads per 12 vpmaddwd). The Intel Xeon's session-15 race (768-1,024
- * ahead of 256-512) agrees; its unblocked K = 1,536 was not tried. */
+/* The most k per block (vb_blocking.h): the 96-row block of int16 activations and one panel's
+ * weights, (MC + NR) x 2 bytes per k, in half the L2: 2,336 for 1 MiB (Zen 4), 1,152 for 512 KiB
+ * (Zen 3), 4,672 for 2 MiB (the Intel Xeon). Until session 24 it was three quarters of the L1 (544
+ * for 32 KiB); on Zen 4 with the avx2 tier held the L2 bound ran 0.90-1.02x the L1 bound's time at
+ * 16-2,048 rows (median 0.93; SmolLM2's four layer shapes summed, 15 rounds alternating in one
+ * process), and at K = 4,096-8,192 every block from 544 to unblocked was within 3%. */
 static int kc_max(void) {
     static int cached;
-    if (!cached) {
-        long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        if (l2 < 128 * 1024 || l2 > 64 * 1024 * 1024) l2 = 512 * 1024;  /* unknown (0 / -1) or implausible */
-        int kc = (int)(l2 / 2 / (2 * (MC + NR))) / VB_Q8_BLOCK * VB_Q8_BLOCK;
-        cached = kc < VB_Q8_BLOCK ? VB_Q8_BLOCK : kc;
-    }
+    if (!cached) cached = vb_k_block(2 * (MC + NR), VB_Q8_BLOCK);
     return cached;
 }
 
