@@ -18,7 +18,12 @@ choice measured by bench/gemm_backends.py on the model's shapes:
     panels packed once): not the default anywhere. On Zen 3 (session 14, 2 threads, the same process
     alternating with oneDNN, two runs) it ran 1.13-1.2x oneDNN at 16 rows, 0.92-0.99x at 256 and
     0.87-0.99x at 1,024-2,048 (oneDNN 109-151 GFLOP/s there, the cores' multiply-add peak 176): the
-    library is close to what a hand-written kernel gets, so it stays the choice.
+    library is close to what a hand-written kernel gets, so it stays the choice. Session 24 sized its
+    k block to the L2 (kernels/csrc/vb_blocking.h; 256 before): on Zen 4 held to AVX2 it then ran
+    0.95-0.98x oneDNN's time at 256-8,192 rows, and the 256-prompt run went 196.5 / 180.9 output
+    tok/s against oneDNN's 186.7 / 165.1 (ABBA, VBATCH_GEMM=native; the runs' spread is as large as
+    the gap). Zen 4 only stands in for the AVX2 CPUs this tier is for, so the default waits for a
+    race on Zen 3.
 VBATCH_GEMM=onednn|zentorch|mkl|native overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out; it
 is never loaded on a CPU that is not AMD's);
 `vbatch bench` prints the library in use.
