@@ -19,7 +19,13 @@ bench/gemm_backends.py --q8-0) against oneDNN's fp32 GEMM over the dequantized w
   - torch held to AVX2 (the avx2 tier's setting): integer 1.2-1.8x, integer-vnni 1.6-2.2x at
     16-1,024 rows (oneDNN 156-240 GFLOP/s; integer 277-306, integer-vnni 339-421).
   - not held (oneDNN on AVX-512): integer 0.74-1.16x, integer-vnni 1.0-1.4x; so the avx512-bf16
-    tier keeps "float" (its fast path is a bf16 model anyway).
+    tier keeps "float" on Intel (its fast path is a bf16 model anyway).
+Zen 4 (session 24, AMD EPYC, avx512_bf16, no AVX-VNNI, the same bench, not held): integer 197-299
+against oneDNN's AVX-512 fp32 at 135-218 GFLOP/s at 16-8,192 rows (1.26-1.47x; Zen 4 runs 512-bit
+FMAs as two 256-bit halves). The 256-prompt q8_0 run (ABBA, VBATCH_Q8_0_GEMM=float | integer):
+191.5 / 191.6 against 249.3 / 224.3 output tok/s, 1.24x on the medians. So on AMD the
+avx512-bf16 tier takes the integer GEMM too (CpuFeatures.q8_0_integer_gemm_beats_avx512). Zen 5,
+whose EPYC parts run 512-bit FMAs at full width, is not measured.
 On Zen 3 the integer multipliers are pipes of their own beside the two FMA pipes (vpmaddwd on FP0
 and FP3), so the kernel's peak there is twice the fp32 FMA peak.
 """
@@ -32,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import q8_0
+from . import cpu_features, q8_0
 from .cpu_linear import PackedLinear
 
 logger = logging.getLogger(__name__)
@@ -53,7 +59,7 @@ def gemm_choice(native) -> str:
         wanted = ""
     if native is None or wanted == "float" or not native.has_gemm_q8_0:
         return "float"
-    if not wanted and not native.tier.q8_0_integer_gemm:
+    if not wanted and not (native.tier.q8_0_integer_gemm or cpu_features.detect().q8_0_integer_gemm_beats_avx512):
         return "float"
     return "integer-vnni" if wanted != "integer-avx2" and native.has_gemm_q8_0_vnni else "integer"
 

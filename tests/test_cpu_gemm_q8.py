@@ -12,6 +12,7 @@ blocks of whole 32s; 1,888, 2,400 and 4,704 go in two unequal ones on the first,
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -164,7 +165,7 @@ def test_gemm_choice_follows_the_tier_and_the_override(native, monkeypatch):
     vnni = native.has_gemm_q8_0_vnni
     monkeypatch.delenv(cpu_q8_0_linear.GEMM_ENV, raising=False)
     default = cpu_q8_0_linear.gemm_choice(native)
-    if native.tier.q8_0_integer_gemm:
+    if native.tier.q8_0_integer_gemm or cpu_features.detect().q8_0_integer_gemm_beats_avx512:
         assert default == ("integer-vnni" if vnni else "integer")
     else:
         assert default == "float"
@@ -180,6 +181,20 @@ def test_gemm_choice_follows_the_tier_and_the_override(native, monkeypatch):
     assert type(cpu_linear.pack_linear(odd, native=native, quantization="q8_0")) is cpu_linear.PackedLinear
     monkeypatch.setenv(cpu_q8_0_linear.GEMM_ENV, "float")
     assert type(cpu_linear.pack_linear(lin, native=native, quantization="q8_0")) is cpu_linear.PackedLinear
+
+
+@pytest.mark.parametrize("vendor, want", [("AuthenticAMD", "integer"), ("GenuineIntel", "float")])
+def test_gemm_choice_on_the_avx512_tier_follows_the_vendor(native, monkeypatch, vendor, want):
+    """On the avx512-bf16 tier the integer GEMM is the default on AMD only (Zen 4's 512-bit FMAs are
+    two 256-bit halves; Intel's are full width): cpu_features.CpuFeatures.q8_0_integer_gemm_beats_avx512."""
+    _gemm(native)
+    if native.tier.q8_0_integer_gemm:
+        pytest.skip(f"the {native.tier.name} tier takes the integer GEMM on every CPU")
+    monkeypatch.delenv(cpu_q8_0_linear.GEMM_ENV, raising=False)
+    real = cpu_features.detect()
+    monkeypatch.setattr(cpu_features, "detect", lambda: dataclasses.replace(real, vendor=vendor))
+    vnni = native.has_gemm_q8_0_vnni
+    assert cpu_q8_0_linear.gemm_choice(native) == ("integer-vnni" if vnni and want == "integer" else want)
 
 
 def test_a_build_whose_assembler_lacks_avx_vnni_keeps_the_avx2_path(monkeypatch, tmp_path):
