@@ -83,12 +83,23 @@ class PackedLinear(nn.Module):
     kernels/gemm_libraries.py); same forward signature and result.
 
     With the native kernels built (kernels/cpu_native.py, `native`), a plain [out, in] copy of the
-    weight in `weight_dtype` is kept too and up to `SMALL_ROWS` rows go through `cpu_linear_small.c`
+    weight in `weight_dtype` is kept too and up to `small_rows` rows go through `cpu_linear_small.c`
     instead: oneDNN reads the weight at about 16 GB/s at one row, the native kernel at about 28 (Zen
     4, whole model, 2 threads; 1.7x at 1-2 rows, 1.2x at 4, slower from 8). The price is that second
-    copy of the weights (for a bf16 model the tied logits head shares the embedding's storage)."""
+    copy of the weights (for a bf16 model the tied logits head shares the embedding's storage).
 
-    SMALL_ROWS = 4
+    NOTE: why `small_rows` is 16 where the library multiplies a wider copy of the weights than the
+    kernel reads (an fp32 model with fp16, bf16 or Q8_0 storage: the avx2 tier's default), else
+    SMALL_ROWS. There the library streams 4 bytes per weight, twice fp16's, and stays bound by memory
+    well past 4 rows. Measured on Zen 4 held to AVX2 (the avx2 tier, 2 threads, SmolLM2-135M's 121
+    matrices in turn, fp16 weights, one process alternating, medians of 4-5 rounds; oneDNN ms / kernel ms):
+    4 rows 33.6 / 12.5 (2.7x), 5 rows 32.6 / 16.4 (2.0x), 8 rows 36.5 / 19.5 (1.9x), 12 rows 41.4 /
+    27.4 (1.5x), 16 rows 46.0-47.4 / 34.6-35.7 (1.3x), 24 rows 1.13x, 32 rows 1.02x. For the same
+    bytes (bf16 weights under zentorch's bf16 GEMM on Zen 4): 4 rows 1.11x, 5 rows 0.87x, 8 rows
+    0.85x. Q8_0 against the integer GEMM: kernels/cpu_q8_0_linear.py."""
+
+    SMALL_ROWS = 4           # the kernel's rows where the library streams the bytes the kernel reads
+    SMALL_ROWS_WIDER = 16    # ... where the library multiplies an fp32 copy of narrower stored weights
 
     def __init__(self, linear: nn.Linear, *, backend: GemmBackend | None = None, native=None,
                  weight_dtype: torch.dtype | None = None, pack: bool = True, quantization: str | None = None) -> None:
@@ -112,6 +123,9 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
         self.native = native if native is not None and native.has_small_linear(dtype, self.weight_dtype) else None
         self.register_buffer("small_weight", stored.contiguous() if self.native else None, persistent=False)
+        # the most rows of x the small-rows kernel takes (class NOTE); 0: none
+        wider = dtype.itemsize > stored.dtype.itemsize
+        self.small_rows = 0 if self.native is None else self.SMALL_ROWS_WIDER if wider else self.SMALL_ROWS
         if pack:
             self.compute_weight = None  # the packed copy serves; only PackedGateUp still slices it
 
@@ -147,7 +161,7 @@ class PackedLinear(nn.Module):
                              "gelu_tanh" if approximate == "tanh" else "gelu")
 
     def _small(self, x: torch.Tensor) -> torch.Tensor | None:  # [..., in] -> [..., out] or None (not small)
-        if self.native is not None and x.numel() <= self.SMALL_ROWS * self.in_features:
+        if x.numel() <= self.small_rows * self.in_features:
             rows = self.native.linear_small(x.reshape(-1, self.in_features), self.small_weight, self.bias,
                                             torch.get_num_threads())
             if rows is not None:
@@ -162,13 +176,13 @@ class PackedLinear(nn.Module):
 class PackedGateUp(PackedLinear):
     """The merged [gate; up] projection of a gated MLP, with `silu_and_mul(x)` fused into its GEMMs.
 
-    `silu_and_mul(x)` == `silu_and_mul(self(x))` (activation_ref): above SMALL_ROWS rows it is two
+    `silu_and_mul(x)` == `silu_and_mul(self(x))` (activation_ref): above `small_rows` rows it is two
     GEMMs over the packed gate and up halves, the first with SiLU applied to its fp32 accumulator,
     the second multiplying its accumulator by the first's result, so the [rows, 2 * inter] product
     is never written, read back and converted (measured on Zen 4, 2 threads, SmolLM2's shapes, bf16:
     8,192 rows 94 -> 73 ms, 2,048 rows 19.5 -> 18.5, 256 rows 2.5 -> 2.3). In bf16, gate and up are
     not rounded to bf16 before the activation, so it differs from the reference by bf16 rounding
-    only (tests/test_cpu_kernels.py). Up to SMALL_ROWS rows: the small-rows kernel and the native
+    only (tests/test_cpu_kernels.py). Up to `small_rows` rows: the small-rows kernel and the native
     SiLU-and-mul, exactly as the separate ops (the fused decoder layer's equality test relies on it)."""
 
     def __init__(self, linear: nn.Linear, *, backend: GemmBackend | None = None, native=None,
@@ -217,8 +231,8 @@ def pack_gate_up(linear: nn.Linear, native=None, weight_dtype: torch.dtype | Non
 def pack_linear(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None = None,
                 quantization: str | None = None) -> nn.Module:
     """The packed twin of `linear`, its weights stored in `weight_dtype` (default: its own) or as
-    `quantization` ("q8_0", fp32 models), the small-rows kernel of `native` (NativeKernels) for 1-4
-    rows where it has one. Q8_0 layers multiply 5+ rows in integers (kernels/cpu_q8_0_linear.py)
+    `quantization` ("q8_0", fp32 models), the small-rows kernel of `native` (NativeKernels) for its
+    `small_rows` rows where it has one. Q8_0 layers multiply 5+ rows in integers (kernels/cpu_q8_0_linear.py)
     where `gemm_choice` says so."""
     if not can_pack(linear.weight.dtype):
         return linear

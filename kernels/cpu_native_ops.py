@@ -31,7 +31,8 @@ logger = logging.getLogger("vbatch.kernels")
 _warned: set[str] = set()
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-FUSED_LAYER_MAX_ROWS = 4  # the small-rows linear's range (cpu_linear.PackedLinear.SMALL_ROWS)
+FUSED_LAYER_MAX_ROWS = 16  # the most rows a fused layer takes: cpu_linear_small.c's MAX_ROWS; a stack
+                           # takes the fewest `small_rows` of its linears (cpu_linear.PackedLinear)
 
 # Longest sequence the native encoder attention takes (kernels/csrc/cpu_encoder_attention.c): past
 # it SDPA's flash kernel, whose per-tile overhead no longer dominates, is used.
@@ -48,7 +49,7 @@ def _heads_dense(t: torch.Tensor) -> bool:  # [T, H, D] with heads and elements 
 
 class _Stack:
     """What one stack of layers keeps between forwards for the native call: its VbLayers, the
-    caches' pointer arrays, scratch rows for FUSED_LAYER_MAX_ROWS tokens and the VbStep pointing
+    caches' pointer arrays, scratch rows for `max_rows` tokens and the VbStep pointing
     into them (each forward rewrites the step's inputs). Kept on the stack's first layer.
 
     NOTE: why keep all this: each step used to rebuild it, about 60 tensor calls and six allocations
@@ -56,13 +57,13 @@ class _Stack:
     each torch call costs several microseconds (docs/performance.md, session 19). One forward at a
     time per model, as for its KV cache."""
 
-    def __init__(self, layers: ctypes.Array, first_layer) -> None:
+    def __init__(self, layers: ctypes.Array, first_layer, max_rows: int) -> None:
         self.layers = layers                  # the VbLayers
         attention, mlp = first_layer.self_attn, first_layer.mlp
         self.dtype = first_layer.input_layernorm.dtype
         widths = (attention.o_proj.out_features, attention.qkv.out_features, attention.q_size,
                   attention.o_proj.out_features, 2 * mlp.down_proj.in_features, mlp.down_proj.in_features)
-        self.max_rows = FUSED_LAYER_MAX_ROWS  # the scratch rows' capacity
+        self.max_rows = max_rows              # the scratch rows' capacity: the tokens a call takes
         self.scratch = [torch.empty(self.max_rows, w, dtype=self.dtype) for w in widths]
         self.step = VbStep(0, None, None, None, None, 0, None, None, 0, 0, *(t.data_ptr() for t in self.scratch))
         self.kv: tuple = ()                   # the (key, value) caches the pointer arrays were made for
@@ -216,7 +217,11 @@ class NativeOps:
         if cached is not None and cached[0] is self.kernels and cached[1] == ids:
             return cached[2]
         structs = [self._layer_struct(layer) for layer in layers]
-        stack = None if any(s is None for s in structs) else _Stack((VbLayer * len(structs))(*structs), layers[0])
+        stack = None
+        if not any(s is None for s in structs):
+            rows = min(m.small_rows for layer in layers for m in (layer.self_attn.qkv, layer.self_attn.o_proj,
+                                                                  layer.mlp.gate_up, layer.mlp.down_proj))
+            stack = _Stack((VbLayer * len(structs))(*structs), layers[0], min(rows, FUSED_LAYER_MAX_ROWS))
         layers[0]._vb_native_stack = (self.kernels, ids, stack)
         return stack
 
@@ -225,8 +230,9 @@ class NativeOps:
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`layer(positions, hidden, residual, kv_cache, attn, rope)` for each layer in turn (with its
         own cache), then with final_norm = (weight, eps) `fused_add_rms_norm(hidden, residual, weight,
-        eps)`: in one native call when the step has at most FUSED_LAYER_MAX_ROWS tokens (decode at
-        small batch); the modules' own forward and the op (the ops one by one) otherwise. Same results:
+        eps)`: in one native call when the step has at most the stack's `max_rows` tokens (decode at
+        small batch: the rows its linears' small-rows kernel takes, up to FUSED_LAYER_MAX_ROWS); the
+        modules' own forward and the op (the ops one by one) otherwise. Same results:
         each step of the native layer is the native op."""
         rows = hidden.shape[0]
         stack = self._stack(layers) if layers and 0 < rows <= FUSED_LAYER_MAX_ROWS else None
@@ -259,12 +265,13 @@ class NativeOps:
 
     def decode_steps_rows(self, layers, head, kv_caches) -> int:
         """The most requests `decode_steps` runs for these layers, logits head and caches (0: none):
-        every layer native (`decoder_layers`' one call), the head a small-rows native linear."""
+        every layer native (`decoder_layers`' one call), the head a small-rows native linear; as many
+        rows as both take."""
         stack = self._stack(tuple(layers)) if layers else None
         if (stack is None or stack.caches(tuple(kv_caches)) is None or getattr(head, "native", None) is not self.kernels
                 or head.small_weight is None or head.bias is not None):
             return 0
-        return stack.max_rows
+        return min(stack.max_rows, head.small_rows)
 
     def decode_steps(self, layers, embedding: torch.Tensor, head, final_norm: tuple[torch.Tensor, float],
                      cos_sin_cache: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,

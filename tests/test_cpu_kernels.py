@@ -62,14 +62,14 @@ def _native():
 @pytest.mark.parametrize("dtype,weights", PACKED)
 @pytest.mark.parametrize("backend", ["onednn", "zentorch", "mkl"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, 64, 130])  # 1-4: the native small-rows kernel when built
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16, 17, 64, 130])  # up to small_rows: the small-rows kernel when built
 def test_packed_linear_matches_f_linear(rows, bias, backend, dtype, weights):
     backend = _backend(backend)
     torch.manual_seed(rows)
     linear = nn.Linear(96, 200, bias=bias).to(dtype)
     x = torch.randn(rows, 96).to(dtype)
     packed = cpu_linear.PackedLinear(linear, backend=backend, native=_native(), weight_dtype=weights)
-    if rows <= packed.SMALL_ROWS and _native() is not None:
+    if _native() is not None:
         assert (packed.native is not None) == _native().has_small_linear(dtype, weights)
     got = packed(x)
     assert got.dtype == dtype and got.shape == (rows, 200)
@@ -78,6 +78,41 @@ def test_packed_linear_matches_f_linear(rows, bias, backend, dtype, weights):
     tol = exact.abs().amax().item() * TOL[dtype]
     assert (got.double() - exact).abs().max().item() <= tol
     assert (got.double() - F.linear(x, weight.to(dtype), linear.bias).double()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype,weights,most", [
+    pytest.param(torch.bfloat16, torch.bfloat16, 4, id="bf16", marks=needs_bf16),
+    pytest.param(torch.float32, torch.float32, 4, id="fp32"),
+    pytest.param(torch.float32, torch.float16, 16, id="fp32-fp16w"),
+    pytest.param(torch.float32, torch.bfloat16, 16, id="fp32-bf16w"),
+    pytest.param(torch.float32, "q8_0-float", 16, id="fp32-q8_0w-float-gemm"),
+    pytest.param(torch.float32, "q8_0-integer", 4, id="fp32-q8_0w-integer-gemm")])
+def test_small_rows_kernel_takes_the_rows_where_it_beats_the_gemm(dtype, weights, most, monkeypatch):
+    # PackedLinear's NOTE: up to 16 rows where the GEMM library multiplies an fp32 copy of narrower
+    # stored weights (it streams twice the bytes or more), else up to 4; one row more takes the GEMM.
+    from vbatch.kernels import cpu_native, cpu_q8_0_linear
+    native = _native()
+    stored = torch.int8 if isinstance(weights, str) else weights
+    if native is None or not native.has_small_linear(dtype, stored):
+        pytest.skip("no small-rows kernel for these rows and weights in this build")
+    torch.manual_seed(most)
+    linear = nn.Linear(64, 48).to(dtype)
+    if weights == "q8_0-integer":
+        if not native.has_gemm_q8_0:
+            pytest.skip(f"the {native.tier.name} tier has no integer Q8_0 GEMM")
+        packed = cpu_q8_0_linear.PackedQ8_0Linear(linear, native=native, vnni=False)
+    else:
+        packed = cpu_linear.PackedLinear(linear, native=native, weight_dtype=None if isinstance(weights, str) else weights,
+                                         quantization="q8_0" if isinstance(weights, str) else None)
+    assert packed.small_rows == most
+    seen = []
+    real = cpu_native.NativeKernels.linear_small
+    monkeypatch.setattr(cpu_native.NativeKernels, "linear_small",
+                        lambda self, rows, *a: seen.append(rows.shape[0]) or real(self, rows, *a))
+    for rows in (1, most, most + 1):
+        x = torch.randn(rows, 64).to(dtype)
+        assert (packed(x).double() - F.linear(x, linear.weight).double().add(linear.bias.double())).abs().max() < 0.05
+    assert seen == [1, most]
 
 
 @pytest.mark.parametrize("dtype,weights", PACKED)
@@ -113,7 +148,7 @@ def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias, backend, 
     assert (got.double() - exact_act).abs().max().item() <= scale * act_tol
     assert (reference.double() - exact_act).abs().max().item() <= scale * act_tol   # the same tolerance fits both
     assert (got.double() - exact_act).abs().mean() <= 1.5 * (reference.double() - exact_act).abs().mean() + 1e-6
-    if rows <= cpu_linear.PackedLinear.SMALL_ROWS and packed.native is not None:
+    if rows <= packed.small_rows:
         # the small path is the separate native ops
         assert torch.equal(got, packed.native.silu_and_mul(packed(x), torch.get_num_threads()))
 

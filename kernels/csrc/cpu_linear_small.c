@@ -1,4 +1,4 @@
-/* y = x W^T + b for a few rows of x (decode at small batch), fp32 accumulation.
+/* y = x W^T + b for a few rows of x (decode at small batch: 1 to MAX_ROWS), fp32 accumulation.
  *
  * Specification and test oracle: torch.nn.functional.linear on the same tensors (the weight
  * widened to fp32 first where it is stored in half precision).
@@ -24,7 +24,10 @@
 
 #include "vb_kernels.h"
 
-#define MAX_ROWS 8
+/* Rows of x one call takes, in passes of up to 4 over the weight. Where the caller's GEMM library
+ * multiplies a wider copy of the weights than this kernel reads (fp32 over fp16 or Q8_0 storage) the
+ * kernel wins up to about 32 rows (kernels/cpu_linear.py PackedLinear.small_rows' NOTE). */
+#define MAX_ROWS 16
 
 /* VB_PREFETCH_STREAMS: defined by the build on Intel CPUs (cpu_features.CpuFeatures.
  * prefetches_weight_streams), where prefetching each weight stream ahead of its loads helps the bf16
@@ -145,7 +148,7 @@ int VB_ACT(vb_linear_small_shared)(const act_t *x, const void *weight, int weigh
                                    int m_rows, int n_out, int k_in) {
     if (m_rows < 1 || m_rows > MAX_ROWS || weight_format != VB_WEIGHT_BF16) return 1;
     const bf16 *w = weight;
-    for (int m0 = 0; m0 < m_rows; m0 += 4) {  /* up to 4 rows of x in one pass over the weight */
+    for (int m0 = 0; m0 < m_rows; m0 += 4) {  /* up to 4 rows of x in one pass over the weight (caller: 1-4) */
         const bf16 *xs = x + (int64_t)m0 * k_in;
         bf16 *ys = y + (int64_t)m0 * n_out;
         switch (m_rows - m0 < 4 ? m_rows - m0 : 4) {
