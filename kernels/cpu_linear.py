@@ -232,8 +232,8 @@ def pack_linear(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None
                 quantization: str | None = None) -> nn.Module:
     """The packed twin of `linear`, its weights stored in `weight_dtype` (default: its own) or as
     `quantization` ("q8_0", fp32 models), the small-rows kernel of `native` (NativeKernels) for its
-    `small_rows` rows where it has one. Q8_0 layers multiply 5+ rows in integers (kernels/cpu_q8_0_linear.py)
-    where `gemm_choice` says so."""
+    `small_rows` rows where it has one. Q8_0 layers multiply 5+ rows in integers
+    (kernels/cpu_q8_0_linear.py) where `gemm_choice` says so."""
     if not can_pack(linear.weight.dtype):
         return linear
     if quantization == q8_0.NAME and q8_0.can_quantize(linear.in_features):

@@ -43,6 +43,10 @@ def _rows(*tensors: torch.Tensor) -> bool:  # contiguous, one native dtype
     return all(t.dtype == tensors[0].dtype and t.is_contiguous() for t in tensors) and tensors[0].dtype in NATIVE_DTYPES
 
 
+def _linears(layer) -> tuple:  # the decoder layer's four linears, in the order VbLayer holds them
+    return layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj
+
+
 def _heads_dense(t: torch.Tensor) -> bool:  # [T, H, D] with heads and elements packed (rows may be apart)
     return t.dtype in NATIVE_DTYPES and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
@@ -192,8 +196,8 @@ class NativeOps:
         if cached is not None and cached[0] is self.kernels:
             return cached[1]
         from .cpu_linear import PackedLinear
-        attention, mlp = layer.self_attn, layer.mlp
-        linears = (attention.qkv, attention.o_proj, mlp.gate_up, mlp.down_proj)
+        attention = layer.self_attn
+        linears = _linears(layer)
         dtype = layer.input_layernorm.dtype
         struct = None
         s = attention.s
@@ -219,8 +223,7 @@ class NativeOps:
         structs = [self._layer_struct(layer) for layer in layers]
         stack = None
         if not any(s is None for s in structs):
-            rows = min(m.small_rows for layer in layers for m in (layer.self_attn.qkv, layer.self_attn.o_proj,
-                                                                  layer.mlp.gate_up, layer.mlp.down_proj))
+            rows = min(m.small_rows for layer in layers for m in _linears(layer))
             stack = _Stack((VbLayer * len(structs))(*structs), layers[0], min(rows, FUSED_LAYER_MAX_ROWS))
         layers[0]._vb_native_stack = (self.kernels, ids, stack)
         return stack

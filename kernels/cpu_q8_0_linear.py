@@ -7,11 +7,11 @@
 A model loaded with `quantization="q8_0"` (kernels/q8_0.py) streams its Q8_0 bytes through the
 small-rows kernel for 1-4 rows here, 1-16 with the "float" GEMM (cpu_linear.PackedLinear.small_rows).
 For more rows (prefill, large decode batches) it either multiplies its dequantized fp32 weights
-with oneDNN ("float", kernels/cpu_linear.py PackedLinear) or, here, multiplies the int8 weights by the rows rounded to int16 in int32 ("integer"), with
-AVX-VNNI's vpdpwssd where the CPU has avx_vnni ("integer-vnni"). The integer path adds one rounding,
-of each row to 1 / 65,534 of its largest magnitude (cpu_gemm_q8.c); its oracle is the same integer
-arithmetic written in torch (tests/test_cpu_gemm_q8.py), and F.linear on the dequantized weights
-within that rounding.
+with oneDNN ("float", kernels/cpu_linear.py PackedLinear) or, here, multiplies the int8 weights by
+the rows rounded to int16 in int32 ("integer"), with AVX-VNNI's vpdpwssd where the CPU has avx_vnni
+("integer-vnni"). The integer path adds one rounding, of each row to 1 / 65,534 of its largest
+magnitude (cpu_gemm_q8.c); its oracle is the same integer arithmetic written in torch
+(tests/test_cpu_gemm_q8.py), and F.linear on the dequantized weights within that rounding.
 
 NOTE: where it runs (CpuTier.q8_0_integer_gemm, VBATCH_Q8_0_GEMM=integer | integer-avx2 | float
 overrides). Measured on the Intel Xeon (session 15, 2 threads, SmolLM2's four layer shapes summed,
@@ -82,17 +82,19 @@ def pack_panels(stored: torch.Tensor, in_features: int) -> torch.Tensor:
 
 class PackedQ8_0Linear(PackedLinear):
     """A Q8_0 `PackedLinear` whose 5+-row GEMMs are cpu_gemm_q8.c's (`vnni`: with AVX-VNNI); 1-4 rows
-    go through the small-rows kernel exactly as PackedLinear's (`small_rows` 4, NOTE below). Needs whole 32-blocks of inputs
+    go through the small-rows kernel exactly as PackedLinear's. Needs whole 32-blocks of inputs
     (q8_0.can_quantize) and native kernels with both the Q8_0 small-rows kernel and the GEMM."""
+
+    # NOTE: 4 rows, not PackedLinear's 16 for narrower storage: the integer GEMM reads 2 bytes per
+    # weight against the kernel's 17/16 and multiplies faster, so from 5 rows it wins. Zen 4 held to
+    # AVX2 (as PackedLinear's NOTE, GEMM ms / kernel ms): 4 rows 11.4 / 11.2, 5 rows 12.2 / 15.7,
+    # 8 rows 16.2 / 19.4, 16 rows 23.1 / 35.9.
+    SMALL_ROWS_WIDER = PackedLinear.SMALL_ROWS
 
     def __init__(self, linear: nn.Linear, *, native, vnni: bool) -> None:
         super().__init__(linear, native=native, pack=False, quantization=q8_0.NAME)
         assert self.quantization == q8_0.NAME and self.native is not None
         self.vnni = vnni
-        # NOTE: the integer GEMM reads 2 bytes per weight against the kernel's 17/16 and multiplies
-        # faster: from 5 rows it wins. Zen 4 held to AVX2 (as PackedLinear's NOTE, ms): 4 rows 11.4
-        # against the kernel's 11.2, 5 rows 12.2 / 15.7, 8 rows 16.2 / 19.4, 16 rows 23.1 / 35.9.
-        self.small_rows = self.SMALL_ROWS
         self.register_buffer("packed_weight", pack_panels(self.small_weight, self.in_features), persistent=False)
 
     @property

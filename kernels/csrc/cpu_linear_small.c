@@ -148,7 +148,7 @@ int VB_ACT(vb_linear_small_shared)(const act_t *x, const void *weight, int weigh
                                    int m_rows, int n_out, int k_in) {
     if (m_rows < 1 || m_rows > MAX_ROWS || weight_format != VB_WEIGHT_BF16) return 1;
     const bf16 *w = weight;
-    for (int m0 = 0; m0 < m_rows; m0 += 4) {  /* up to 4 rows of x in one pass over the weight (caller: 1-4) */
+    for (int m0 = 0; m0 < m_rows; m0 += 4) {  /* up to 4 rows of x in one pass over the weight */
         const bf16 *xs = x + (int64_t)m0 * k_in;
         bf16 *ys = y + (int64_t)m0 * n_out;
         switch (m_rows - m0 < 4 ? m_rows - m0 : 4) {
