@@ -96,7 +96,13 @@ class PackedLinear(nn.Module):
     4 rows 33.6 / 12.5 (2.7x), 5 rows 32.6 / 16.4 (2.0x), 8 rows 36.5 / 19.5 (1.9x), 12 rows 41.4 /
     27.4 (1.5x), 16 rows 46.0-47.4 / 34.6-35.7 (1.3x), 24 rows 1.13x, 32 rows 1.02x. For the same
     bytes (bf16 weights under zentorch's bf16 GEMM on Zen 4): 4 rows 1.11x, 5 rows 0.87x, 8 rows
-    0.85x. Q8_0 against the integer GEMM: kernels/cpu_q8_0_linear.py."""
+    0.85x. Q8_0 against the integer GEMM: kernels/cpu_q8_0_linear.py.
+    The same 16 on the other tiers, though their linears alone cross over sooner (session 26): on
+    the avx512-bf16 tier (oneDNN in AVX-512) 12 rows 1.05x, 16 rows 0.93-0.98x; on the portable tier
+    (oneDNN held to SSE4.1, as 128-bit NEON would be) 8 rows 1.24x, 16 rows 0.92x. End to end the
+    fused layers that the limit also sets win it back: 16 prompts ran 1.05x faster with 16 than with
+    12 on the avx512-bf16 tier (fp16 weights, 6 rounds), 1.06x faster than with 4 on the portable one
+    (docs/performance.md "Decode at 5-16 requests")."""
 
     SMALL_ROWS = 4           # the kernel's rows where the library streams the bytes the kernel reads
     SMALL_ROWS_WIDER = 16    # ... where the library multiplies an fp32 copy of narrower stored weights
