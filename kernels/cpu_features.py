@@ -44,6 +44,11 @@ class CpuTier:
     # Q8_0 layers (--quantization q8_0) run their 5+-row GEMMs in integers (cpu_gemm_q8.c) rather than
     # oneDNN over the dequantized fp32 weights: where measured faster (kernels/cpu_q8_0_linear.py)
     q8_0_integer_gemm: bool = False
+    # The most rows the small-rows kernel (and with it the fused decoder layer) takes where the GEMM
+    # library multiplies an fp32 copy of narrower stored weights (an fp32 model with fp16, bf16 or
+    # Q8_0 storage); 4 where both read the same bytes. Measured per tier: kernels/cpu_linear.py
+    # PackedLinear's NOTE. At most cpu_linear_small.c's MAX_ROWS.
+    small_rows_wider: int = 16
 
     def runs_on(self, features: "CpuFeatures") -> bool:
         return self.required_flags <= features.flags
@@ -65,6 +70,7 @@ AVX2 = CpuTier(
     bf16_compute=False,
     description="AVX2 + FMA + F16C: fp32 arithmetic, fp16-stored weights widened in registers",
     q8_0_integer_gemm=True,
+    small_rows_wider=32,
 )
 PORTABLE = CpuTier(
     name="portable",

@@ -88,24 +88,29 @@ class PackedLinear(nn.Module):
     4, whole model, 2 threads; 1.7x at 1-2 rows, 1.2x at 4, slower from 8). The price is that second
     copy of the weights (for a bf16 model the tied logits head shares the embedding's storage).
 
-    NOTE: why `small_rows` is 16 where the library multiplies a wider copy of the weights than the
-    kernel reads (an fp32 model with fp16, bf16 or Q8_0 storage: the avx2 tier's default), else
-    SMALL_ROWS. There the library streams 4 bytes per weight, twice fp16's, and stays bound by memory
-    well past 4 rows. Measured on Zen 4 held to AVX2 (the avx2 tier, 2 threads, SmolLM2-135M's 121
-    matrices in turn, fp16 weights, one process alternating, medians of 4-5 rounds; oneDNN ms / kernel ms):
-    4 rows 33.6 / 12.5 (2.7x), 5 rows 32.6 / 16.4 (2.0x), 8 rows 36.5 / 19.5 (1.9x), 12 rows 41.4 /
-    27.4 (1.5x), 16 rows 46.0-47.4 / 34.6-35.7 (1.3x), 24 rows 1.13x, 32 rows 1.02x. For the same
-    bytes (bf16 weights under zentorch's bf16 GEMM on Zen 4): 4 rows 1.11x, 5 rows 0.87x, 8 rows
-    0.85x. Q8_0 against the integer GEMM: kernels/cpu_q8_0_linear.py.
-    The same 16 on the other tiers, though their linears alone cross over sooner (session 26): on
-    the avx512-bf16 tier (oneDNN in AVX-512) 12 rows 1.05x, 16 rows 0.93-0.98x; on the portable tier
-    (oneDNN held to SSE4.1, as 128-bit NEON would be) 8 rows 1.24x, 16 rows 0.92x. End to end the
-    fused layers that the limit also sets win it back: 16 prompts ran 1.05x faster with 16 than with
-    12 on the avx512-bf16 tier (fp16 weights, 6 rounds), 1.06x faster than with 4 on the portable one
-    (docs/performance.md "Decode at 5-16 requests")."""
+    NOTE: why `small_rows` is the tier's `small_rows_wider` (kernels/cpu_features.py: 32 on the avx2
+    tier, 16 on the others) where the library multiplies a wider copy of the weights than the kernel
+    reads (an fp32 model with fp16, bf16 or Q8_0 storage: the avx2 tier's default), else SMALL_ROWS.
+    There the library streams 4 bytes per weight, twice fp16's, and stays bound by memory well past 4
+    rows. The limit also sets the rows the fused decoder layer and the multi-step decodes take
+    (kernels/cpu_native_ops.py), which save the Python between ops: so it is decided end to end, not by
+    the linears alone. Measured on Zen 4 (2 threads; docs/performance.md "Decode at 5-16 requests" and
+    "The small-rows limit per tier"):
+      - linears alone (SmolLM2-135M's 121 matrices in turn, one process alternating, oneDNN ms / kernel
+        ms), avx2 tier held to AVX2, fp16 weights: 4 rows 33.6 / 12.5 (2.7x), 8 rows 36.5 / 19.5
+        (1.9x), 16 rows 46.0-47.4 / 34.6-35.7 (1.3x), 24 rows 1.07-1.13x, 32 rows 0.93-1.02x, 48 rows
+        0.94x. avx512-bf16 tier (oneDNN in AVX-512), fp16 / bf16 weights: 12 rows 1.05x, 16 rows
+        0.98x / 0.93x. portable tier, bf16 weights, oneDNN held to SSE4.1 (as 128-bit NEON): 8 rows
+        1.24x, 16 rows 0.92x.
+      - end to end (`LLM`s with different limits in one process, prompts of 128-512 tokens, 128 out,
+        output tok/s): avx2 tier, 32 against 16: 24 prompts 1.15x, 32 prompts 1.04x (6 of 6 rounds),
+        48 against 32 at 48 prompts 1.00x. avx512-bf16 tier, fp16 weights: 16 against 12 at 16
+        prompts 1.05x (6 of 6 rounds), 32 against 16 at 32 prompts 0.95-1.08x (not kept). portable
+        (SSE4.1 hold): 16 against 4 at 8 prompts 1.24x, at 16 prompts 1.06x.
+    For the same bytes (bf16 weights under zentorch's bf16 GEMM on Zen 4): 4 rows 1.11x, 5 rows 0.87x,
+    8 rows 0.85x. Q8_0 against the integer GEMM: kernels/cpu_q8_0_linear.py."""
 
-    SMALL_ROWS = 4           # the kernel's rows where the library streams the bytes the kernel reads
-    SMALL_ROWS_WIDER = 16    # ... where the library multiplies an fp32 copy of narrower stored weights
+    SMALL_ROWS = 4  # the kernel's rows where the library streams the bytes the kernel reads
 
     def __init__(self, linear: nn.Linear, *, backend: GemmBackend | None = None, native=None,
                  weight_dtype: torch.dtype | None = None, pack: bool = True, quantization: str | None = None) -> None:
@@ -130,10 +135,14 @@ class PackedLinear(nn.Module):
         self.native = native if native is not None and native.has_small_linear(dtype, self.weight_dtype) else None
         self.register_buffer("small_weight", stored.contiguous() if self.native else None, persistent=False)
         # the most rows of x the small-rows kernel takes (class NOTE); 0: none
-        wider = dtype.itemsize > stored.dtype.itemsize
-        self.small_rows = 0 if self.native is None else self.SMALL_ROWS_WIDER if wider else self.SMALL_ROWS
+        self.small_rows = 0 if self.native is None else self._most_small_rows(dtype.itemsize > stored.dtype.itemsize)
         if pack:
             self.compute_weight = None  # the packed copy serves; only PackedGateUp still slices it
+
+    def _most_small_rows(self, wider: bool) -> int:
+        """The most rows the small-rows kernel takes (class NOTE); `wider`: the library multiplies a
+        wider copy of the weights than the kernel streams."""
+        return self.native.tier.small_rows_wider if wider else self.SMALL_ROWS
 
     @property
     def gemm_name(self) -> str:

@@ -110,12 +110,12 @@ class NativeKernels:
 
     def linear_small(
         self,
-        rows: torch.Tensor,         # [M, in] fp32 / bf16, M <= 16 (cpu_linear_small.c's MAX_ROWS)
+        rows: torch.Tensor,         # [M, in] fp32 / bf16, M <= 32 (cpu_linear_small.c's MAX_ROWS)
         weight: torch.Tensor,       # [out, in] contiguous: fp32, fp16 or bf16 (fp32 rows), bf16 (bf16 rows);
                                     # or int8 [out, in * 17 / 16], Q8_0 rows (kernels/q8_0.py; fp32 rows)
         bias: torch.Tensor | None,  # [out], rows' dtype
         num_threads: int,
-    ) -> torch.Tensor | None:       # [M, out], rows' dtype; None: no such kernel in this build / M > 16
+    ) -> torch.Tensor | None:       # [M, out], rows' dtype; None: no such kernel in this build / M > 32
         rows = rows.contiguous()
         in_features = q8_0.in_features_of(weight) if weight.dtype == torch.int8 else weight.shape[1]
         assert weight.is_contiguous() and rows.shape[1] == in_features

@@ -31,7 +31,7 @@ logger = logging.getLogger("vbatch.kernels")
 _warned: set[str] = set()
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-FUSED_LAYER_MAX_ROWS = 16  # the most rows a fused layer takes: cpu_linear_small.c's MAX_ROWS; a stack
+FUSED_LAYER_MAX_ROWS = 32  # the most rows a fused layer takes: cpu_linear_small.c's MAX_ROWS; a stack
                            # takes the fewest `small_rows` of its linears (cpu_linear.PackedLinear)
 
 # Longest sequence the native encoder attention takes (kernels/csrc/cpu_encoder_attention.c): past

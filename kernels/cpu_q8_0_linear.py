@@ -5,7 +5,8 @@
     PackedQ8_0Linear(linear, native=, vnni=)                       nn.Linear's contract, Q8_0 weights
 
 A model loaded with `quantization="q8_0"` (kernels/q8_0.py) streams its Q8_0 bytes through the
-small-rows kernel for 1-4 rows here, 1-16 with the "float" GEMM (cpu_linear.PackedLinear.small_rows).
+small-rows kernel for 1-4 rows here, up to the tier's `small_rows_wider` with the "float" GEMM
+(cpu_linear.PackedLinear.small_rows).
 For more rows (prefill, large decode batches) it either multiplies its dequantized fp32 weights
 with oneDNN ("float", kernels/cpu_linear.py PackedLinear) or, here, multiplies the int8 weights by
 the rows rounded to int16 in int32 ("integer"), with AVX-VNNI's vpdpwssd where the CPU has avx_vnni
@@ -85,11 +86,13 @@ class PackedQ8_0Linear(PackedLinear):
     go through the small-rows kernel exactly as PackedLinear's. Needs whole 32-blocks of inputs
     (q8_0.can_quantize) and native kernels with both the Q8_0 small-rows kernel and the GEMM."""
 
-    # NOTE: 4 rows, not PackedLinear's 16 for narrower storage: the integer GEMM reads 2 bytes per
-    # weight against the kernel's 17/16 and multiplies faster, so from 5 rows it wins. Zen 4 held to
-    # AVX2 (as PackedLinear's NOTE, GEMM ms / kernel ms): 4 rows 11.4 / 11.2, 5 rows 12.2 / 15.7,
-    # 8 rows 16.2 / 19.4, 16 rows 23.1 / 35.9.
-    SMALL_ROWS_WIDER = PackedLinear.SMALL_ROWS
+    def _most_small_rows(self, wider: bool) -> int:
+        """4 rows, not the tier's `small_rows_wider` (PackedLinear's NOTE).
+
+        NOTE: the integer GEMM reads 2 bytes per weight against the kernel's 17/16 and multiplies
+        faster, so from 5 rows it wins. Zen 4 held to AVX2 (as PackedLinear's NOTE, GEMM ms / kernel
+        ms): 4 rows 11.4 / 11.2, 5 rows 12.2 / 15.7, 8 rows 16.2 / 19.4, 16 rows 23.1 / 35.9."""
+        return self.SMALL_ROWS
 
     def __init__(self, linear: nn.Linear, *, native, vnni: bool) -> None:
         super().__init__(linear, native=native, pack=False, quantization=q8_0.NAME)

@@ -243,7 +243,7 @@ WEIGHTS = {torch.float32: [torch.float32, torch.float16, torch.bfloat16], torch.
 
 
 @pytest.mark.parametrize("in_features", [576, 80, 1000, 36])     # whole chunks, vector tails, scalar tails
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 16])   # passes of up to 4 rows over the weight
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 16, 31, 32])   # passes of up to 4 rows over the weight
 def test_small_linear_matches_exact_product(native, dtype, rows, in_features):
     # Oracle: the fp64 product of the same tensors (half-precision weights widened exactly); the
     # kernel sums in fp32 and rounds once to the rows' dtype.
@@ -315,7 +315,7 @@ def test_small_linear_result_depends_on_neither_team_nor_neighbour_rows(native, 
 def test_small_linear_q8_0_weights_match_their_dequantized_product(native, threads):
     # Q8_0 rows (kernels/q8_0.py): the kernel widens each int8 vector and multiplies it by its block's
     # fp16 scale, so it computes with exactly q8_0.dequantize's weights; oracle: the fp64 product of
-    # those. Widths of 1-48 blocks, 1-16 rows of x (a pass per 4), output counts that leave
+    # those. Widths of 1-48 blocks, 1-32 rows of x (a pass per 4), output counts that leave
     # uneven or empty streams, teams of 1-3 threads, every tier the fixture builds.
     assert native.has_small_linear(torch.float32, torch.int8)
     for in_features, out_features in ((32, 1), (576, 1029), (1536, 203), (96, 17), (64, 7)):
@@ -327,7 +327,7 @@ def test_small_linear_q8_0_weights_match_their_dequantized_product(native, threa
         packed = q8_0.quantize(weight)
         dequantized = q8_0.dequantize(packed, in_features).double()
         bias = torch.randn(out_features)
-        for rows in (1, 2, 3, 4, 5, 8, 16):
+        for rows in (1, 2, 3, 4, 5, 8, 16, 32):
             x = torch.randn(rows, in_features)
             for b in (None, bias):
                 got = native.linear_small(x, packed, b, threads)
@@ -373,9 +373,16 @@ def test_fma_probe_runs_every_chain_and_lane(native, threads):
         assert native.fma_probe(iters, 0.5, 0.25, threads) == pytest.approx(expected, rel=1e-6), iters
 
 
-def test_small_linear_refuses_more_than_sixteen_rows(native, dtype):
-    x, weight = torch.zeros(17, 64, dtype=dtype), torch.zeros(16, 64, dtype=dtype)
-    assert native.linear_small(x, weight, None, 1) is None
+def test_small_linear_refuses_more_rows_than_any_tier_asks(native, dtype):
+    # cpu_linear_small.c's MAX_ROWS (32) is the most any tier's small_rows_wider asks; past it the
+    # caller keeps its GEMM.
+    from vbatch.kernels import cpu_features, cpu_native_ops
+    most = max(tier.small_rows_wider for tier in cpu_features.TIERS)
+    assert most == cpu_native_ops.FUSED_LAYER_MAX_ROWS == 32
+    weight = torch.zeros(16, 64, dtype=dtype)
+    assert native.linear_small(torch.zeros(most + 1, 64, dtype=dtype), weight, None, 1) is None
+    if native.has_small_linear(dtype, dtype):
+        assert native.linear_small(torch.zeros(most, 64, dtype=dtype), weight, None, 1) is not None
 
 
 def test_fp16_weights_widen_exactly_including_subnormals_and_specials(native):
@@ -577,9 +584,9 @@ LAYER_CASES = [(torch.float32, torch.float32, torch.float32), (torch.float32, to
 def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weights, kv, monkeypatch):
     # Oracle: the same model running its layers' forward (the native ops one by one, each tested
     # against its reference above). The fused layer composes the same kernels, so the logits must
-    # be identical, not just close, at every row count it takes: 1-4, and 5-16 where the linears'
-    # GEMM would multiply an fp32 copy of narrower weights (cpu_linear.PackedLinear.small_rows);
-    # one row more must take the layer forward.
+    # be identical, not just close, at every row count it takes: 1-4, and up to the tier's
+    # small_rows_wider (16 or 32) where the linears' GEMM would multiply an fp32 copy of narrower
+    # weights (cpu_linear.PackedLinear.small_rows); one row more must take the layer forward.
     from test_llama_model import CONFIGS, PagedBatch, prompts
     from transformers import AutoModelForCausalLM
     from vbatch.engine.models.registry import get_model_class
@@ -604,15 +611,15 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weight
     monkeypatch.setattr(cpu_native.NativeKernels, "decoder_layers",
                         lambda self, *a: calls.append((a[5].shape[0], len(a[0]))) or real(self, *a))
     wider = act == torch.float32 and weights != torch.float32
-    most = 16 if wider else 4                  # the rows a fused call takes
+    most = native.tier.small_rows_wider if wider else 4    # the rows a fused call takes
     assert ops.decoder_layers.__self__._stack(model.layers).max_rows == most
-    fused_rows = (1, 2, 4, 5, 9, 16) if wider else (1, 2, 4)
-    lens = [17 + 5 * i % 7 for i in range(most + 1)]   # prompts longer than a fused call
+    fused_rows = tuple(sorted({rows for rows in (1, 2, 4, 5, 9, 16) if rows < most} | {most}))
+    lens = [most + 1 + 5 * i % 7 for i in range(most + 1)]   # prompts longer than a fused call
     for rows in (*fused_rows, most + 1):
         seqs = prompts(config.vocab_size, lens[:rows], seed=rows)
         runs = {}
         for fused in (True, False):
-            monkeypatch.setattr(cpu_native_ops, "FUSED_LAYER_MAX_ROWS", 16 if fused else 0)
+            monkeypatch.setattr(cpu_native_ops, "FUSED_LAYER_MAX_ROWS", most if fused else 0)
             batch = PagedBatch(model, [len(s) + 3 for s in seqs])
             batch.kv_caches = [(k.to(kv), v.to(kv)) for k, v in batch.kv_caches]
             logits = [batch.step(model, seqs, [0] * rows)]                 # prefill

@@ -24,10 +24,11 @@
 
 #include "vb_kernels.h"
 
-/* Rows of x one call takes, in passes of up to 4 over the weight. Where the caller's GEMM library
- * multiplies a wider copy of the weights than this kernel reads (fp32 over fp16 or Q8_0 storage) the
- * kernel wins up to about 32 rows (kernels/cpu_linear.py PackedLinear.small_rows' NOTE). */
-#define MAX_ROWS 16
+/* Rows of x one call takes, in passes of up to 4 over the weight: the most any CPU tier's
+ * `small_rows_wider` asks (kernels/cpu_features.py; the avx2 tier's 32, measured: kernels/cpu_linear.py
+ * PackedLinear's NOTE), where the caller's GEMM library multiplies a wider copy of the weights than
+ * this kernel reads (fp32 over fp16, bf16 or Q8_0 storage). */
+#define MAX_ROWS 32
 
 /* VB_PREFETCH_STREAMS: defined by the build on Intel CPUs (cpu_features.CpuFeatures.
  * prefetches_weight_streams), where prefetching each weight stream ahead of its loads helps the bf16

@@ -99,7 +99,7 @@ int VB_ACT(vb_decoder_layers)(const VbLayer *layers, int num_layers, const VbSte
 
 /* cpu_decode_steps.c: what the decode steps add to the layers: the embedding, the head, the rotary
  * tables of every position they reach, the requests' stop tokens, and per-step scratch. */
-#define VB_DECODE_MAX_ROWS 16   /* cpu_linear_small.c MAX_ROWS */
+#define VB_DECODE_MAX_ROWS 32   /* cpu_linear_small.c MAX_ROWS */
 typedef struct {
     const act_t *embedding;                      /* [vocab, hidden]: the token embedding */
     const void *head_weight;                     /* [vocab, hidden] stored as head_format (VB_WEIGHT_*) */
