@@ -4,9 +4,9 @@
 
 For each dtype and row count, every library kernels/gemm_libraries.py can run (oneDNN prepacked, MKL
 through torch's F.linear, zentorch prepacked where its wheel loads, vbatch's own fp32 GEMM where the
-native build has AVX2 and FMA) multiplies the same activations
-by the four linear weights of a SmolLM2 layer ([960, 576] qkv, [576, 576] o_proj, [3072, 576]
-gate/up, [576, 1536] down), passes alternating between the libraries, and prints GFLOP/s (the best
+native build has AVX2 and FMA, over fp32 panels and over the fp16 panels the avx2 tier packs from its
+fp16-stored weights: "native-fp16") multiplies the same activations by the four linear weights of a
+SmolLM2 layer ([960, 576] qkv, [576, 576] o_proj, [3072, 576] gate/up, [576, 1536] down), passes alternating between the libraries, and prints GFLOP/s (the best
 of the passes: interference only slows a pass down), each library's ratio to the fastest and, for
 fp32, its share of the cores' multiply-add peak (cli/bench_ceilings.measure_fma_peak_gflops). The
 engine picks one per dtype (`gemm_libraries.gemm_backend`, printed by `vbatch bench`; VBATCH_GEMM
@@ -62,10 +62,15 @@ def main() -> None:
         backends = [b for b in available if dtype in b.dtypes]
         weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
         packed = {b.name: [b.pack(w) for w in weights] for b in backends}
+        linear = {b.name: b.linear for b in backends}
+        for b in backends:   # the same GEMM over the narrower stored weights it takes as they are
+            for stored in b.stored_dtypes:
+                name = f"{b.name}-{str(stored).removeprefix('torch.').replace('float', 'fp')}"
+                packed[name], linear[name] = [b.pack(w.to(stored)) for w in weights], b.linear
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in SHAPES}}
-            runs = {b.name: [functools.partial(b.linear, xs[w.shape[1]], p, None, "none")
-                             for w, p in zip(weights, packed[b.name])] for b in backends}
+            runs = {name: [functools.partial(linear[name], xs[w.shape[1]], p, None, "none")
+                           for w, p in zip(weights, packed[name])] for name in packed}
             report(f"{dtype_name} {rows:5d} rows", race(runs, args.passes), rows, peak if dtype == torch.float32 else None,
                    chosen)
 

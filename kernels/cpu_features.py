@@ -49,6 +49,9 @@ class CpuTier:
     # Q8_0 storage); 4 where both read the same bytes. Measured per tier: kernels/cpu_linear.py
     # PackedLinear's NOTE. At most cpu_linear_small.c's MAX_ROWS.
     small_rows_wider: int = 16
+    # fp32 GEMMs (5+ rows) in vbatch's own cpu_gemm.c rather than oneDNN, fp16-stored weights packed
+    # as they are: where measured faster (kernels/gemm_libraries.py NOTE)
+    native_gemm: bool = False
 
     def runs_on(self, features: "CpuFeatures") -> bool:
         return self.required_flags <= features.flags
@@ -71,6 +74,7 @@ AVX2 = CpuTier(
     description="AVX2 + FMA + F16C: fp32 arithmetic, fp16-stored weights widened in registers",
     q8_0_integer_gemm=True,
     small_rows_wider=32,
+    native_gemm=True,
 )
 PORTABLE = CpuTier(
     name="portable",

@@ -91,10 +91,12 @@ class PackedLinear(nn.Module):
     NOTE: why `small_rows` is the tier's `small_rows_wider` (kernels/cpu_features.py: 32 on the avx2
     tier, 16 on the others) where the library multiplies a wider copy of the weights than the kernel
     reads (an fp32 model with fp16, bf16 or Q8_0 storage: the avx2 tier's default), else SMALL_ROWS.
-    There the library streams 4 bytes per weight, twice fp16's, and stays bound by memory well past 4
-    rows. The limit also sets the rows the fused decoder layer and the multi-step decodes take
-    (kernels/cpu_native_ops.py), which save the Python between ops: so it is decided end to end, not by
-    the linears alone. Measured on Zen 4 (2 threads; docs/performance.md "Decode at 5-16 requests" and
+    There oneDNN streams 4 bytes per weight, twice fp16's, and stays bound by memory well past 4 rows.
+    (Since session 26 the avx2 tier's GEMM is vbatch's own over the fp16 weights, kernels/
+    gemm_libraries.py; against it 32 rows still ran 1.03x the speed of 16 at 32 prompts.) The limit
+    also sets the rows the fused decoder layer and the multi-step decodes take (kernels/
+    cpu_native_ops.py), which save the Python between ops: so it is decided end to end, not by the
+    linears alone. Measured on Zen 4 (2 threads; docs/performance.md "Decode at 5-16 requests" and
     "The small-rows limit per tier"):
       - linears alone (SmolLM2-135M's 121 matrices in turn, one process alternating, oneDNN ms / kernel
         ms), avx2 tier held to AVX2, fp16 weights: 4 rows 33.6 / 12.5 (2.7x), 8 rows 36.5 / 19.5
@@ -116,7 +118,7 @@ class PackedLinear(nn.Module):
                  weight_dtype: torch.dtype | None = None, pack: bool = True, quantization: str | None = None) -> None:
         super().__init__()
         dtype = linear.weight.dtype
-        self.backend = backend or gemm_backend(dtype)
+        self.backend = backend or gemm_backend(dtype, None if native is None else native.tier)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.quantization = quantization if quantization and self._quantizes() else None
         if self.quantization:  # Q8_0 rows for the kernel; their dequantized values for the GEMM library
@@ -127,7 +129,9 @@ class PackedLinear(nn.Module):
         else:
             self.weight_dtype = weight_dtype or dtype
             stored = linear.weight.detach().to(self.weight_dtype)   # [out, in]: the layer's weights, rounded once
-            self.compute_weight = stored.to(dtype) if self.weight_dtype != dtype else stored
+            # the fp32 copy the library multiplies, unless it widens the stored weights itself
+            direct = self.weight_dtype in self.backend.stored_dtypes
+            self.compute_weight = stored.to(dtype) if self.weight_dtype != dtype and not direct else stored
         # Buffers, not parameters: nothing trains, and the packed tensor is not a plain [out, in] matrix.
         self.register_buffer("packed_weight", self.backend.pack(self.compute_weight) if pack else None,
                              persistent=False)

@@ -128,18 +128,22 @@ class NativeKernels:
     def gemm(self, rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
              num_threads: int) -> torch.Tensor | None:
         """rows [M, K] fp32 (unit column stride) times a weight packed by gemm_libraries.pack_panels ([N, K]
-        fp32, panels of 16 outputs), plus bias [N] (cpu_gemm.c) -> [M, N] fp32; None: this build has no
-        GEMM (it needs AVX2 and FMA)."""
+        fp32 or fp16, panels of 16 outputs; fp16 widened exactly in the kernel), plus bias [N] (cpu_gemm.c)
+        -> [M, N] fp32; None: this build has no GEMM (it needs AVX2, FMA and F16C)."""
         n, k = packed.shape
-        assert rows.dtype == packed.dtype == torch.float32 and packed.is_contiguous() and rows.shape[1] == k >= 1
+        assert rows.dtype == torch.float32 and packed.dtype in (torch.float32, torch.float16)
+        assert packed.is_contiguous() and rows.shape[1] == k >= 1
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         if bias is not None:
             assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        rc = self._fn("vb_gemm", torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                                                 None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                                                 rows.shape[0], n, k, num_threads)
+        name = "vb_gemm" if packed.dtype == torch.float32 else "vb_gemm_f16"
+        rc = self._fn(name, torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                           None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                                           rows.shape[0], n, k, num_threads)
+        if rc == 3:
+            raise NativeKernelError("native fp16 GEMM: out of memory for its per-thread weight block")
         return out if rc == 0 else None
 
     @property
@@ -337,6 +341,7 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_read_probe": ([p, i64, i32, i32], ctypes.c_uint64),
         "vb_fma_probe": ([i64, f32, f32, i32], ctypes.c_float),
         "vb_gemm": ([p, i64, p, p, p, i64, i32, i32, i32, i32], ctypes.c_int),
+        "vb_gemm_f16": ([p, i64, p, p, p, i64, i32, i32, i32, i32], ctypes.c_int),
         "vb_gemm_q8": ([p, i64, p, p, p, i64, i32, i32, i32, i32, i32], ctypes.c_int),
         "vb_fma_width": ([], ctypes.c_int),
         "vb_vector_lanes": ([], ctypes.c_int),

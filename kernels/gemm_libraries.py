@@ -1,7 +1,8 @@
 """The GEMM libraries the CPU path multiplies 5+ rows with, and which one it uses.
 
-`gemm_backend(dtype) -> GemmBackend` (oneDNN, MKL, zentorch or vbatch's own fp32 GEMM): a library's
-prepack and its linear, decided once per process; kernels/cpu_linear.py's packed layers run through it.
+`gemm_backend(dtype, tier=None) -> GemmBackend` (oneDNN, MKL, zentorch or vbatch's own fp32 GEMM): a
+library's prepack and its linear, decided once per process and native tier; kernels/cpu_linear.py's
+packed layers run through it.
 
 NOTE: the GEMM library (`gemm_backend`), chosen from the CPU (kernels/cpu_features.py), each
 choice measured by bench/gemm_backends.py on the model's shapes:
@@ -12,18 +13,24 @@ choice measured by bench/gemm_backends.py on the model's shapes:
   - bf16 on any other CPU: oneDNN, which runs AMX tiles where the CPU has them. On an Intel Xeon with
     amx_bf16 (2 threads) zentorch's bf16 GEMM ran at 173-209 GFLOP/s against oneDNN's 721 / 1,483 /
     1,898 at 64 / 256 / 2,048 rows (0.10-0.24x): ZenDNN has no AMX path.
-  - fp32: oneDNN, ahead of zentorch's fp32 GEMM on Zen 3 (118 vs 112 GFLOP/s at 64 rows, 131 vs 104
+  - fp32 on the other tiers: oneDNN, ahead of zentorch's fp32 GEMM on Zen 3 (118 vs 112 GFLOP/s at 64 rows, 131 vs 104
     at 256) and on the Intel Xeon (206 vs 186 at 64, 289 vs 273 at 256; MKL within 5% there).
-  - fp32, vbatch's own (`native`, kernels/csrc/cpu_gemm.c: AVX2 + FMA, 6 x 16 micro tiles over
-    panels packed once): not the default anywhere. On Zen 3 (session 14, 2 threads, the same process
-    alternating with oneDNN, two runs) it ran 1.13-1.2x oneDNN at 16 rows, 0.92-0.99x at 256 and
-    0.87-0.99x at 1,024-2,048 (oneDNN 109-151 GFLOP/s there, the cores' multiply-add peak 176): the
-    library is close to what a hand-written kernel gets, so it stays the choice. Session 24 sized its
-    k block to the L2 (kernels/csrc/vb_blocking.h; 256 before): on Zen 4 held to AVX2 it then ran
-    0.95-0.98x oneDNN's time at 256-8,192 rows, and the 256-prompt run went 196.5 / 180.9 output
-    tok/s against oneDNN's 186.7 / 165.1 (ABBA, VBATCH_GEMM=native; the runs' spread is as large as
-    the gap). Zen 4 only stands in for the AVX2 CPUs this tier is for, so the default waits for a
-    race on Zen 3.
+  - fp32 on the avx2 tier (CpuTier.native_gemm): vbatch's own (`native`, kernels/csrc/cpu_gemm.c:
+    AVX2 + FMA, 6 x 16 micro tiles over panels packed once), reading the tier's fp16-stored weights
+    as they are, so no fp32 copy of the model is kept (4 bytes per weight with the small-rows
+    kernel's copy, not 6). Since session 26. On Zen 4 held to AVX2 (2 threads, SmolLM2-135M's 121
+    matrices in turn, one process alternating; docs/performance.md "vbatch's own GEMM over fp16
+    panels") it ran 1.45x oneDNN's fp32 GEMM at 16 rows, 1.08x at 32, 1.28-1.32x at 48-64,
+    1.03-1.08x at 128-256 and 0.99-1.04x at 512-8,192 (three layers); the 256-prompt run went 1.04x
+    (ABBA: 190.1 / 182.1 against 178.1 / 181.2 output tok/s, prefill phase 1.05x). Before it, on
+    Zen 3 (session 14, 2 threads, the same process alternating with oneDNN, two runs) it ran
+    1.13-1.2x oneDNN at 16 rows, 0.92-0.99x at 256 and 0.87-0.99x at 1,024-2,048 (oneDNN 109-151
+    GFLOP/s there, the cores' multiply-add peak 176): the library was close to what a hand-written
+    kernel got. Session 24 sized its k block to the L2 (kernels/csrc/vb_blocking.h; 256 before): on
+    Zen 4 held to AVX2 it then ran 0.95-0.98x oneDNN's time at 256-8,192 rows, and the 256-prompt
+    run went 196.5 / 180.9 output tok/s against oneDNN's 186.7 / 165.1 (ABBA, VBATCH_GEMM=native).
+    Zen 4 only stands in for the AVX2 CPUs this tier is for: a race on Zen 3 (bench/gemm_backends.py,
+    VBATCH_GEMM=onednn against the default) is still owed; the memory it saves holds on any CPU.
 VBATCH_GEMM=onednn|zentorch|mkl|native overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out; it
 is never loaded on a CPU that is not AMD's);
 `vbatch bench` prints the library in use.
@@ -57,6 +64,8 @@ class GemmBackend:
     # (rows [M, in], packed, bias, other [M, out]) -> (rows W^T + bias) * other, [M, out]
     linear_mul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)  # what it multiplies
+    # narrower stored weights it packs as they are and widens in its kernel (no fp32 copy is made)
+    stored_dtypes: tuple[torch.dtype, ...] = ()
 
 
 # activation -> (oneDNN post-op, its algorithm): applied to the fp32 accumulator inside the GEMM
@@ -117,7 +126,7 @@ def _zentorch() -> GemmBackend | None:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 -> the same N x K values in cpu_gemm.c's layout, kept in shape [N, K]: the outputs in
+    """[N, K] fp32 or fp16 -> the same N x K values in cpu_gemm.c's layout, kept in shape [N, K]: the outputs in
     panels of 16, each [K][16] (k-major), a last panel of N % 16 outputs [K][N % 16]."""
     n, k = weight.shape
     whole = n // 16 * 16
@@ -143,9 +152,13 @@ def native_backend(kernels) -> GemmBackend:
     def linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
         return _ACTIVATIONS[act](kernels.gemm(rows, packed, bias, torch.get_num_threads()))
 
-    return GemmBackend(name="native", pack=lambda w: pack_panels(w.detach().float().contiguous()), linear=linear,
+    def pack(weight: torch.Tensor) -> torch.Tensor:   # fp16 panels stay fp16 (cpu_gemm.c widens them)
+        return pack_panels(weight.detach().to(weight.dtype if weight.dtype in stored else torch.float32).contiguous())
+
+    stored = (torch.float16,)
+    return GemmBackend(name="native", pack=pack, linear=linear,
                        linear_mul=lambda rows, packed, bias, other: linear(rows, packed, bias, "none") * other,
-                       dtypes=(torch.float32,))
+                       dtypes=(torch.float32,), stored_dtypes=stored)
 
 
 BACKEND_NAMES = ("onednn", "mkl", "zentorch", "native")
@@ -156,17 +169,24 @@ def backend_named(name: str) -> GemmBackend | None:
     return {"onednn": lambda: ONEDNN, "mkl": lambda: MKL, "zentorch": _zentorch, "native": _native}[name]()
 
 
-def default_backend(dtype: torch.dtype, cpu: cpu_features.CpuFeatures) -> GemmBackend:
-    """The library measured fastest for `dtype` GEMMs on `cpu` (see the NOTE above): zentorch for
-    bf16 on an AMD CPU where its wheel loads, oneDNN otherwise."""
+def default_backend(dtype: torch.dtype, cpu: cpu_features.CpuFeatures, tier: cpu_features.CpuTier) -> GemmBackend:
+    """The library measured fastest for `dtype` GEMMs on `cpu` running the native kernels of `tier`
+    (see the NOTE above): vbatch's own for fp32 where the tier says so (CpuTier.native_gemm: avx2) and
+    it loads, zentorch for bf16 on an AMD CPU where its wheel loads, oneDNN otherwise."""
+    if dtype == torch.float32 and tier.native_gemm:
+        from . import cpu_native
+        kernels = cpu_native.load(tier)
+        if kernels is not None and kernels.has_gemm:
+            return native_backend(kernels)
     zen = _zentorch() if dtype == torch.bfloat16 and cpu.is_amd else None
     return zen or ONEDNN
 
 
 @functools.cache
-def gemm_backend(dtype: torch.dtype = torch.bfloat16) -> GemmBackend:
-    """The GEMM library for `dtype` (decided once per process): VBATCH_GEMM if it names one that
-    loads, else `default_backend` for this CPU."""
+def gemm_backend(dtype: torch.dtype = torch.bfloat16, tier: cpu_features.CpuTier | None = None) -> GemmBackend:
+    """The GEMM library for `dtype` beside the native kernels of `tier` (None: the selected tier),
+    decided once per process: VBATCH_GEMM if it names one that loads, else `default_backend` for this
+    CPU and tier."""
     wanted = os.environ.get("VBATCH_GEMM", "").strip().lower()
     backend = None
     if wanted:
@@ -181,7 +201,7 @@ def gemm_backend(dtype: torch.dtype = torch.bfloat16) -> GemmBackend:
                 logger.warning("VBATCH_GEMM=%s has no %s GEMM; using the default", wanted, dtype)
                 backend = None
     if backend is None:
-        backend = default_backend(dtype, cpu_features.detect())
+        backend = default_backend(dtype, cpu_features.detect(), tier or cpu_features.selected_tier())
     logger.info("CPU %s GEMMs: %s", str(dtype).removeprefix("torch."), backend.name)
     return backend
 

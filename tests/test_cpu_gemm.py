@@ -40,15 +40,19 @@ def test_pack_panels_is_the_documented_layout():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("weights", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
-def test_native_gemm_matches_linear(native, shape, threads):
+def test_native_gemm_matches_linear(native, shape, weights, threads):
+    # fp16 panels: each panel's k block widened in the kernel, exactly, so the oracle is the fp64
+    # product of the fp16 values themselves.
     gemm = _gemm(native)
     m, n, k = shape
     g = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
-    w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    w, bias = torch.randn(n, k, generator=g).to(weights), torch.randn(n, generator=g)
     wide = torch.randn(m, k + 3, generator=g)
     x = wide[:, 1:k + 1]                              # rows k + 3 floats apart
     packed = gemm_libraries.pack_panels(w)
+    assert packed.dtype == weights
     for b in (None, bias):
         got = gemm(x, packed, b, threads)
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -60,7 +64,8 @@ def test_native_gemm_matches_linear(native, shape, threads):
 
 def test_native_backend_through_packed_linear(native, monkeypatch):
     """The backend as the model uses it: PackedLinear with VBATCH_GEMM=native, fp16-stored weights
-    widened once, 5+ rows (fewer go through the small-rows kernel)."""
+    packed as they are (no fp32 copy: cpu_gemm.c widens them), 5+ rows (fewer go through the
+    small-rows kernel)."""
     _gemm(native)
     monkeypatch.setattr(gemm_libraries, "_native", lambda: gemm_libraries.native_backend(native))
     backend = gemm_libraries.backend_named("native")
@@ -71,6 +76,10 @@ def test_native_backend_through_packed_linear(native, monkeypatch):
     got = packed(x)
     assert got.shape == (2, 9, 70) and (got.double() - want).abs().max().item() <= 1e-3
     assert "gemm=native" in repr(packed)
+    assert packed.packed_weight.dtype == torch.float16 and packed.compute_weight is None
+    fp32 = cpu_linear.PackedLinear(lin, backend=backend)                      # fp32 weights: fp32 panels
+    assert fp32.packed_weight.dtype == torch.float32
+    assert (fp32(x).double() - F.linear(x.double(), lin.weight.double(), lin.bias.double())).abs().max() <= 1e-4
 
 
 def test_vbatch_gemm_native_serves_fp32_only(monkeypatch):
@@ -82,6 +91,6 @@ def test_vbatch_gemm_native_serves_fp32_only(monkeypatch):
         fp32 = gemm_libraries.gemm_backend(torch.float32)
         native = gemm_libraries.backend_named("native")
         assert fp32.name == ("native" if native is not None else gemm_libraries.default_backend(
-            torch.float32, cpu_features.detect()).name)
+            torch.float32, cpu_features.detect(), cpu_features.selected_tier()).name)
     finally:
         gemm_libraries.gemm_backend.cache_clear()

@@ -178,47 +178,62 @@ def test_zentorch_is_skipped_when_disabled(monkeypatch):
 def test_zentorch_is_not_loaded_on_a_cpu_that_is_not_amds(monkeypatch, caplog):
     # kernels/cpu_linear.py _zentorch: AMD's library, slower than oneDNN on the Intel Xeon; there not even
     # imported (asked for by name, a warning and the default)
-    intel = cpu_features.CpuFeatures("x86_64", "Intel Xeon", frozenset({"avx512_bf16", "amx_bf16"}), "GenuineIntel")
+    intel = cpu_features.CpuFeatures("x86_64", "Intel Xeon", frozenset({"avx512_bf16", "amx_bf16", "avx", "avx2", "fma",
+                                                                        "f16c"}), "GenuineIntel")
     monkeypatch.setattr(cpu_features, "detect", lambda: intel)
     assert gemm_libraries._zentorch() is None
     gemm_libraries.gemm_backend.cache_clear()
     monkeypatch.setenv("VBATCH_GEMM", "zentorch")
     try:
         with caplog.at_level("WARNING"):
-            assert gemm_libraries.gemm_backend(torch.float32) is gemm_libraries.ONEDNN
+            assert gemm_libraries.gemm_backend(torch.bfloat16) is gemm_libraries.ONEDNN
         assert "VBATCH_GEMM=zentorch does not load on this machine" in caplog.text
     finally:
         gemm_libraries.gemm_backend.cache_clear()
 
 
 def test_gemm_library_default_and_override(monkeypatch):
-    # fp32: oneDNN (measured ahead of zentorch and MKL on Zen 3); VBATCH_GEMM names another.
+    # fp32: vbatch's own GEMM on the avx2 tier, oneDNN on the others (measured ahead of zentorch and
+    # MKL on Zen 3); VBATCH_GEMM names another.
+    from vbatch.kernels import cpu_native
+    tier = cpu_features.selected_tier()
+    kernels = cpu_native.load(tier)
+    default = "native" if tier.native_gemm and kernels is not None and kernels.has_gemm else "onednn"
     gemm_libraries.gemm_backend.cache_clear()
     monkeypatch.delenv("VBATCH_GEMM", raising=False)
     try:
-        assert gemm_libraries.gemm_backend(torch.float32) is gemm_libraries.ONEDNN
+        assert gemm_libraries.gemm_backend(torch.float32).name == default
         gemm_libraries.gemm_backend.cache_clear()
         monkeypatch.setenv("VBATCH_GEMM", "mkl")
         assert gemm_libraries.gemm_backend(torch.float32) is gemm_libraries.MKL
         gemm_libraries.gemm_backend.cache_clear()
         monkeypatch.setenv("VBATCH_GEMM", "no-such-library")      # a warning, then the default
-        assert gemm_libraries.gemm_backend(torch.float32) is gemm_libraries.ONEDNN
+        assert gemm_libraries.gemm_backend(torch.float32).name == default
     finally:
         gemm_libraries.gemm_backend.cache_clear()
 
 
 def test_gemm_library_follows_the_cpu(monkeypatch):
     # bf16: zentorch only on AMD CPUs (where it was measured faster), oneDNN elsewhere (AMX on Intel,
-    # where zentorch ran at 0.10-0.24x); fp32: oneDNN everywhere.
+    # where zentorch ran at 0.10-0.24x); fp32: vbatch's own GEMM on the avx2 tier where its build has
+    # one, oneDNN on the others.
+    from vbatch.kernels import cpu_native
     amd = cpu_features.CpuFeatures("x86_64", "AMD EPYC", frozenset({"avx512_bf16"}), "AuthenticAMD")
     intel = cpu_features.CpuFeatures("x86_64", "Intel Xeon", frozenset({"avx512_bf16", "amx_bf16"}), "GenuineIntel")
+    bf16_tier, avx2, portable = cpu_features.AVX512_BF16, cpu_features.AVX2, cpu_features.PORTABLE
     zen = gemm_libraries._zentorch()
-    assert gemm_libraries.default_backend(torch.bfloat16, intel) is gemm_libraries.ONEDNN
-    assert gemm_libraries.default_backend(torch.float32, amd) is gemm_libraries.ONEDNN
-    assert gemm_libraries.default_backend(torch.float32, intel) is gemm_libraries.ONEDNN
-    assert gemm_libraries.default_backend(torch.bfloat16, amd).name == (zen.name if zen else "onednn")
+    assert gemm_libraries.default_backend(torch.bfloat16, intel, bf16_tier) is gemm_libraries.ONEDNN
+    assert gemm_libraries.default_backend(torch.float32, amd, bf16_tier) is gemm_libraries.ONEDNN
+    assert gemm_libraries.default_backend(torch.float32, intel, bf16_tier) is gemm_libraries.ONEDNN
+    assert gemm_libraries.default_backend(torch.bfloat16, amd, bf16_tier).name == (zen.name if zen else "onednn")
+    assert gemm_libraries.default_backend(torch.float32, amd, portable) is gemm_libraries.ONEDNN
+    if avx2.runs_on(cpu_features.detect()):
+        kernels = cpu_native.load(avx2)
+        want = "native" if kernels is not None and kernels.has_gemm else "onednn"
+        assert gemm_libraries.default_backend(torch.float32, amd, avx2).name == want
+        assert gemm_libraries.default_backend(torch.bfloat16, intel, avx2) is gemm_libraries.ONEDNN
     monkeypatch.setenv("VBATCH_ZENTORCH", "0")
-    assert gemm_libraries.default_backend(torch.bfloat16, amd) is gemm_libraries.ONEDNN
+    assert gemm_libraries.default_backend(torch.bfloat16, amd, bf16_tier) is gemm_libraries.ONEDNN
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])

@@ -1,12 +1,15 @@
 /* fp32 GEMM over a weight packed once: y[M, N] = x[M, K] . W[N, K]^T (+ b), for the large-batch
- * linears on CPUs where it beats the libraries (kernels/cpu_linear.py NATIVE, chosen per CPU).
+ * linears on CPUs where it beats the libraries (kernels/gemm_libraries.py: the avx2 tier's default,
+ * CpuTier.native_gemm). The weight in fp32 (vb_gemm) or fp16 (vb_gemm_f16: the avx2 tier's storage,
+ * so no fp32 copy of the model is kept; each panel's k block is widened exactly, with F16C, into a
+ * per-thread buffer once per block of MC rows and read from there by all its micro tiles).
  *
  * Reference: torch.nn.functional.linear on the unpacked weight (tests/test_cpu_gemm.py, every shape
  * edge: rows not a multiple of 6, outputs not a multiple of 16, K not a multiple of the block).
  *
- * Packed layout (kernels/cpu_linear.py pack_panels): the N outputs in panels of NR = 16; panel p
+ * Packed layout (kernels/gemm_libraries.py pack_panels): the N outputs in panels of NR = 16; panel p
  * (outputs 16p .. 16p + 15) is [K][16], k-major; a last panel of r < 16 outputs is [K][r]. So the
- * packed weight holds N x K floats, like W, and keeps W's shape.
+ * packed weight holds N x K values, like W, and keeps W's shape and dtype.
  * Blocking (as BLIS's): each thread takes a contiguous range of panels; K goes in near-equal blocks
  * of at most kc_max() (vb_blocking.h: a panel's block, 64 B per k, and the MC rows' block of x, MC x
  * 4 B per k, in half the L2: 1,152 for 1 MiB, 576 for 512 KiB); rows go in blocks of MC. The micro
@@ -17,11 +20,16 @@
  * (bench/gemm_backends.py: 119 / 137 / 130 of 176 GFLOP/s); a scratch version of this kernel ran
  * 143 and 128-148 in the same session. Written against vb_simd.h's generic vectors the same loop ran
  * at 52-92: GCC emitted each broadcast as a splat plus an add of zero (x + 0 is not x for -0.0).
- * So the micro tile is AVX2 + FMA intrinsics; a build without them has no GEMM (returns 1) and the
- * libraries serve.
+ * So the micro tile is AVX2 + FMA intrinsics; a build without them (or F16C) has no GEMM (returns 1)
+ * and the libraries serve.
+ * NOTE: why fp16 panels cost nothing. On Zen 4 held to AVX2 (2 threads, SmolLM2-135M's 121 matrices
+ * in turn, one process alternating; session 26) the fp16 panels ran 0.95-1.02x the fp32 panels' speed
+ * at 16-8,192 rows: widening a 576 x 16 block is ~2% of the 96 rows' multiply-adds on it, and at 16-64
+ * rows this GEMM is bound by its tiles, not by the bytes (docs/performance.md "vbatch's own GEMM").
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vb_blocking.h"
 #include "vb_kernels.h"
@@ -30,7 +38,7 @@
 #define MR 6    /* rows per micro tile */
 #define MC 96   /* rows per block */
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 /* y[0..mr, 0..nc) (+)= x[0..mr, 0..kc) . w: w is [kc][ncp] (ncp = 16 for a whole panel, else nc, and
@@ -111,34 +119,72 @@ static int kc_max(void) {
     return cached;
 }
 
-int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
-                    int m, int n, int k, int num_threads) {
+/* A panel's k block of fp16 weights ([kc][nc] halves) widened to fp32 in `out` (exact: every fp16 value
+ * is an fp32 value); the micro tiles then read it from the L1/L2 as they read fp32 panels. */
+static void widen_block(const uint16_t *w, int count, float *out) {
+    int i = 0;
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i))));
+    for (; i < count; ++i) out[i] = _cvtsh_ss(w[i]);
+}
+
+/* The GEMM over fp32 panels (half = 0) or fp16 panels (half = 1: each panel's k block widened into a
+ * per-thread buffer once per row block, then used by every micro tile of it). */
+static int gemm(const float *x, int64_t ldx, const void *packed, int half, const float *bias, float *y, int64_t ldy,
+                int m, int n, int k, int num_threads) {
     const int panels = (n + NR - 1) / NR;
     const int kc_most = kc_max();
     const int k_blocks = (k + kc_most - 1) / kc_most, kb = (k + k_blocks - 1) / k_blocks;  /* k >= 1 */
-#pragma omp parallel num_threads(num_threads)
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
-        for (int k0 = 0; k0 < k; k0 += kb) {
+        float *wide = half ? aligned_alloc(64, ((size_t)kb * NR * sizeof(float) + 63) / 64 * 64) : NULL;
+        if (half && !wide) failed = 1;
+        for (int k0 = 0; k0 < k && !failed; k0 += kb) {
             const int kc = k - k0 < kb ? k - k0 : kb;
             for (int r0 = 0; r0 < m; r0 += MC) {
                 const int r1 = m - r0 < MC ? m : r0 + MC;
                 for (int p = p0; p < p1; ++p) {
                     const int nc = n - p * NR < NR ? n - p * NR : NR;
-                    const float *w = packed + (int64_t)p * NR * k + (int64_t)k0 * nc;
+                    const int64_t at = (int64_t)p * NR * k + (int64_t)k0 * nc;   /* the block's first weight */
+                    const float *w;
+                    if (half) {
+                        widen_block((const uint16_t *)packed + at, kc * nc, wide);
+                        w = wide;
+                    } else {
+                        w = (const float *)packed + at;
+                    }
                     panel_rows(nc == NR, nc, r0, r1, k0, kc, x, ldx, w, y + p * NR, ldy, bias ? bias + p * NR : NULL);
                 }
             }
         }
+        free(wide);
     }
-    return 0;
+    return failed ? 3 : 0;
+}
+
+int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                    int m, int n, int k, int num_threads) {
+    return gemm(x, ldx, packed, 0, bias, y, ldy, m, n, k, num_threads);
+}
+
+int VB_ACT(vb_gemm_f16)(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
+                        int64_t ldy, int m, int n, int k, int num_threads) {
+    return gemm(x, ldx, packed, 1, bias, y, ldy, m, n, k, num_threads);
 }
 
 #else
 
 int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int m, int n, int k, int num_threads) {
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)num_threads;
+    return 1;
+}
+
+int VB_ACT(vb_gemm_f16)(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
+                        int64_t ldy, int m, int n, int k, int num_threads) {
     (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)num_threads;
     return 1;
 }

@@ -48,6 +48,10 @@ int VB_ACT(vb_linear_small)(const act_t *x, const void *w, int weight_format, co
  * or 1 in a build without AVX2 + FMA (no GEMM there). */
 int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int m, int n, int k, int num_threads);
+/* The same over fp16 weights in the same panels (widened exactly, a panel's k block at a time); also 3
+ * when out of memory for the per-thread block. */
+int VB_ACT(vb_gemm_f16)(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
+                        int64_t ldy, int m, int n, int k, int num_threads);
 
 /* cpu_gemm_q8.c: y[m, n] = x[m, k] (q * d)^T (+ b) over Q8_0 weights packed in int16 panels, in
  * integer arithmetic (x rounded to int16 per row); vnni: AVX-VNNI's vpdpwssd. Returns 0; 1 in a
