@@ -256,6 +256,8 @@ def test_mlp_in_row_chunks_matches_the_whole_step(dtype):
     import types
 
     from vbatch.engine.models.llama import LlamaMLP
+    if dtype == torch.bfloat16 and not cpu_features.selected_tier().bf16_compute:
+        pytest.skip(f"the selected {cpu_features.selected_tier().name} tier has no bf16 kernels (VBATCH_CPU_TIER)")
     ops = get_ops("cpu", dtype)
     assert ops.mlp_chunk_rows == cpu_linear.MLP_CHUNK_ROWS
     shape = types.SimpleNamespace(hidden_size=96, intermediate_size=160, mlp_bias=False)
