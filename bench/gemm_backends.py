@@ -6,8 +6,9 @@ For each dtype and row count, every library kernels/gemm_libraries.py can run (o
 through torch's F.linear, zentorch prepacked where its wheel loads, vbatch's own fp32 GEMM where the
 native build has AVX2 and FMA, over fp32 panels and over the fp16 panels the avx2 tier packs from its
 fp16-stored weights: "native-fp16") multiplies the same activations by the four linear weights of a
-SmolLM2 layer ([960, 576] qkv, [576, 576] o_proj, [3072, 576] gate/up, [576, 1536] down), passes alternating between the libraries, and prints GFLOP/s (the best
-of the passes: interference only slows a pass down), each library's ratio to the fastest and, for
+SmolLM2 layer ([960, 576] qkv, [576, 576] o_proj, [3072, 576] gate/up, [576, 1536] down), passes
+alternating between the libraries, and prints GFLOP/s (the best of the passes: interference only
+slows a pass down), each library's ratio to the fastest and, for
 fp32, its share of the cores' multiply-add peak (cli/bench_ceilings.measure_fma_peak_gflops). The
 engine picks one per dtype (`gemm_libraries.gemm_backend`, printed by `vbatch bench`; VBATCH_GEMM
 overrides it): docs/performance.md records what this script measured on each CPU kind.

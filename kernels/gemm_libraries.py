@@ -13,8 +13,9 @@ choice measured by bench/gemm_backends.py on the model's shapes:
   - bf16 on any other CPU: oneDNN, which runs AMX tiles where the CPU has them. On an Intel Xeon with
     amx_bf16 (2 threads) zentorch's bf16 GEMM ran at 173-209 GFLOP/s against oneDNN's 721 / 1,483 /
     1,898 at 64 / 256 / 2,048 rows (0.10-0.24x): ZenDNN has no AMX path.
-  - fp32 on the other tiers: oneDNN, ahead of zentorch's fp32 GEMM on Zen 3 (118 vs 112 GFLOP/s at 64 rows, 131 vs 104
-    at 256) and on the Intel Xeon (206 vs 186 at 64, 289 vs 273 at 256; MKL within 5% there).
+  - fp32 on the other tiers: oneDNN, ahead of zentorch's fp32 GEMM on Zen 3 (118 vs 112 GFLOP/s at
+    64 rows, 131 vs 104 at 256) and on the Intel Xeon (206 vs 186 at 64, 289 vs 273 at 256; MKL
+    within 5% there).
   - fp32 on the avx2 tier (CpuTier.native_gemm): vbatch's own (`native`, kernels/csrc/cpu_gemm.c:
     AVX2 + FMA, 6 x 16 micro tiles over panels packed once), reading the tier's fp16-stored weights
     as they are, so no fp32 copy of the model is kept (4 bytes per weight with the small-rows
@@ -126,8 +127,8 @@ def _zentorch() -> GemmBackend | None:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 or fp16 -> the same N x K values in cpu_gemm.c's layout, kept in shape [N, K]: the outputs in
-    panels of 16, each [K][16] (k-major), a last panel of N % 16 outputs [K][N % 16]."""
+    """[N, K] fp32 or fp16 -> the same N x K values in cpu_gemm.c's layout, kept in shape and dtype: the
+    outputs in panels of 16, each [K][16] (k-major), a last panel of N % 16 outputs [K][N % 16]."""
     n, k = weight.shape
     whole = n // 16 * 16
     panels = weight[:whole].reshape(-1, 16, k).transpose(1, 2).reshape(-1)   # [N // 16, K, 16]
@@ -139,10 +140,11 @@ _ACTIVATIONS = {"none": lambda y: y, "silu": F.silu, "gelu": F.gelu,
                 "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
-def _native() -> GemmBackend | None:
-    """vbatch's own fp32 GEMM (kernels/csrc/cpu_gemm.c, AVX2 + FMA), where the native kernels load."""
+def _native(tier: cpu_features.CpuTier | None = None) -> GemmBackend | None:
+    """vbatch's own fp32 GEMM (kernels/csrc/cpu_gemm.c, AVX2 + FMA), where the native kernels of `tier`
+    (None: the selected one) load."""
     from . import cpu_native
-    kernels = cpu_native.load()
+    kernels = cpu_native.load(tier)
     return native_backend(kernels) if kernels is not None and kernels.has_gemm else None
 
 
@@ -153,12 +155,12 @@ def native_backend(kernels) -> GemmBackend:
         return _ACTIVATIONS[act](kernels.gemm(rows, packed, bias, torch.get_num_threads()))
 
     def pack(weight: torch.Tensor) -> torch.Tensor:   # fp16 panels stay fp16 (cpu_gemm.c widens them)
-        return pack_panels(weight.detach().to(weight.dtype if weight.dtype in stored else torch.float32).contiguous())
+        weight = weight.detach()
+        return pack_panels((weight if weight.dtype == torch.float16 else weight.float()).contiguous())
 
-    stored = (torch.float16,)
     return GemmBackend(name="native", pack=pack, linear=linear,
                        linear_mul=lambda rows, packed, bias, other: linear(rows, packed, bias, "none") * other,
-                       dtypes=(torch.float32,), stored_dtypes=stored)
+                       dtypes=(torch.float32,), stored_dtypes=(torch.float16,))
 
 
 BACKEND_NAMES = ("onednn", "mkl", "zentorch", "native")
@@ -173,13 +175,9 @@ def default_backend(dtype: torch.dtype, cpu: cpu_features.CpuFeatures, tier: cpu
     """The library measured fastest for `dtype` GEMMs on `cpu` running the native kernels of `tier`
     (see the NOTE above): vbatch's own for fp32 where the tier says so (CpuTier.native_gemm: avx2) and
     it loads, zentorch for bf16 on an AMD CPU where its wheel loads, oneDNN otherwise."""
-    if dtype == torch.float32 and tier.native_gemm:
-        from . import cpu_native
-        kernels = cpu_native.load(tier)
-        if kernels is not None and kernels.has_gemm:
-            return native_backend(kernels)
+    native = _native(tier) if dtype == torch.float32 and tier.native_gemm else None
     zen = _zentorch() if dtype == torch.bfloat16 and cpu.is_amd else None
-    return zen or ONEDNN
+    return native or zen or ONEDNN
 
 
 @functools.cache

@@ -37,7 +37,7 @@ int VB_ACT(vb_paged_attention)(const act_t *query, int64_t query_stride, act_t *
                                int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                                int num_threads);
 
-/* cpu_linear_small.c: y = x W^T + b for 1..16 rows. Returns 0, or 1 when this build has no kernel
+/* cpu_linear_small.c: y = x W^T + b for 1..32 rows (its MAX_ROWS). Returns 0, or 1 when this build has no kernel
  * for the weight format (bf16 activations: only bf16 weights on CPUs with avx512_bf16). */
 int VB_ACT(vb_linear_small_shared)(const act_t *x, const void *w, int weight_format, const act_t *bias, act_t *y,
                                    int m_rows, int n_out, int k_in);
