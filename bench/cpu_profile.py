@@ -1,4 +1,4 @@
-"""CPU throughput probe for the engine (the numbers in docs/performance.md come from here).
+"""CPU throughput probe for the engine (the numbers in docs/performance/avx512-bf16.md come from here).
 
 Not the official benchmark (`vbatch bench throughput` is); a small script to measure one engine
 configuration several times in one process and print medians, with the machine's load.

@@ -21,7 +21,7 @@ to compare two commits' kernels on a noisy machine, where two processes minutes 
 more than the change. LIB: the other commit's library, $VBATCH_CACHE/kernels/<key>/libvbatch_cpu.so
 (built by running anything of that checkout once); its entry point must take this commit's
 arguments (388b602's bf16 one does: docs/benchmarks.md "Zen 4 after the AVX2 work").
-docs/performance.md ("Decode attention in chunks: tried, not kept") records what it measured. Run it in its own
+docs/performance/intel-xeon.md ("Decode attention in chunks: tried, not kept") records what it measured. Run it in its own
 high-priority session on a shared machine (REFERENCE 8):
     setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/decode_attention.py
 """

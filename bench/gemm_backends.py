@@ -11,7 +11,7 @@ alternating between the libraries, and prints GFLOP/s (the best of the passes: i
 slows a pass down), each library's ratio to the fastest and, for
 fp32, its share of the cores' multiply-add peak (cli/bench_ceilings.measure_fma_peak_gflops). The
 engine picks one per dtype (`gemm_libraries.gemm_backend`, printed by `vbatch bench`; VBATCH_GEMM
-overrides it): docs/performance.md records what this script measured on each CPU kind.
+overrides it): docs/performance/ records what this script measured on each CPU kind.
 --q8-0 races, instead, the ways a Q8_0 model (`--quantization q8_0`) can multiply 5+ rows: oneDNN's fp32
 GEMM over the dequantized weights ("float") and vbatch's integer GEMM (kernels/cpu_q8_0_linear.py:
 "integer", and "integer-vnni" where the CPU has avx_vnni), as the layers the model builds; GFLOP/s

@@ -10,7 +10,7 @@ and pure decode steps, then the steps' phases (schedule, inputs, forward, logits
 scheduler update, output processing) in ms per step. Timers add a few microseconds per call; the
 native call that runs every layer at small batch (1-4 rows; up to the tier's `small_rows_wider`,
 16 or 32, on half-precision weights under fp32) is timed as one `decoder_layers`. Every step runs
-alone (num_scheduler_steps 1), so each forward's ops are seen. docs/performance.md's round-5 and
+alone (num_scheduler_steps 1), so each forward's ops are seen. docs/performance/avx512-bf16.md's round-5 and
 round-6 breakdowns come from here.
 Run it in its own high-priority session on a shared machine (REFERENCE 8):
     setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/op_times.py

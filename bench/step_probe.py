@@ -3,7 +3,7 @@
     python bench/step_probe.py [--threads 2] [--profile]
 
 Calls the model's forward (and the logits head) directly on the engine's own KV cache, so the
-numbers are the model step alone (no scheduler, sampler or detokenizer); docs/performance.md's
+numbers are the model step alone (no scheduler, sampler or detokenizer); docs/performance/avx512-bf16.md's
 step tables come from here. Medians of 5 (prefill: 3) after 2 warm-up calls; `--profile` adds a
 torch.profiler table per case (ctypes calls into the native kernels show up only as the gap
 between the table's total and the wall time). Run it in its own high-priority session on a shared

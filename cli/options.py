@@ -27,7 +27,7 @@ WeightDtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloa
 Quantization = Annotated[Optional[str], typer.Option(
     help="q8_0: quantize the linear weights at load (int8 + an fp16 scale per 32, as llama.cpp's Q8_0; "
          "fp32 arithmetic, CPU only): about half the bytes of fp16 per decode step, a small accuracy cost "
-         "(docs/performance.md). Unset: no quantization.", rich_help_panel=ENGINE)]
+         "(docs/performance/q8_0.md). Unset: no quantization.", rich_help_panel=ENGINE)]
 KvCacheDtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16 | fp8 | fp8_e4m3 | fp8_e5m2: "
                                            "how the KV cache is stored (auto: like the weights; fp8 = fp8_e4m3, one "
                                            "byte per value on the CPU, scale 1.0 as vLLM's default: fewer bytes for "

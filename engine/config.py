@@ -50,12 +50,12 @@ class ModelConfig:
     except that an fp32 model whose dtype is auto (a CPU without fast bf16, e.g. AVX2) stores them
     in the CPU tier's half-precision format (fp16 on AVX2, bf16 on the portable tier), widened to
     fp32 in registers: half the bytes per decode step, every product and sum still fp32 (tolerance:
-    docs/performance.md). float16 / bfloat16 ask for that under dtype float32 on any CPU; float32
+    docs/performance/avx2-zen3.md). float16 / bfloat16 ask for that under dtype float32 on any CPU; float32
     keeps them exact."""
     quantization: str | None = None
     """None | q8_0: q8_0 quantizes the linear layers' weights at load (int8 and an fp16 scale per
     32 weights, as llama.cpp's Q8_0; kernels/q8_0.py), computed in fp32: about half the bytes of
-    fp16 per decode step, for a small error (greedy agreement: docs/performance.md). CPU only;
+    fp16 per decode step, for a small error (greedy agreement: docs/performance/avx2-zen3.md). CPU only;
     dtype auto then means float32. Never a default."""
     max_model_len: int | None = None
     """Prompt + output tokens per sequence; default: the model's max_position_embeddings."""
@@ -105,7 +105,7 @@ class CacheConfig:
     bits, up to 448) and fp8_e5m2 (2 mantissa bits, up to 57344) store one byte per value under an
     fp32 or bf16 model, on the CPU: values rounded to nearest even and saturated, scale 1.0 (vLLM's
     default without calibrated scales); a quarter (fp32) or half (bf16) of the bytes, an accuracy
-    cost (docs/performance.md)."""
+    cost (docs/performance/intel-xeon.md, "fp8 KV cache")."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of identical prompt prefixes (chained block hashes, LRU eviction)."""
     num_gpu_blocks_override: int | None = None

@@ -13,7 +13,7 @@ allocates with plain pages unless THP_MEM_ALLOC_ENABLE is set before its first a
 (kernels/thp_env.py sets it when vbatch is imported first; an `LLM` made after `import torch`
 misses it), and even then not for a tensor under 2 MiB, as most weights are. THP's default mode,
 "madvise", gives huge pages only to memory that asks. Measured on the Intel Xeon with torch held
-to AVX2 (session 21, docs/performance.md "Huge pages"): the weights in one advised arena made
+to AVX2 (session 21, docs/performance/batch-1.md "Huge pages"): the weights in one advised arena made
 batch 1 about 4% faster; the 64-prompt run, which computes, did not change.
 
 The arena is an anonymous private mapping (Python's mmap) held by the tensors made from it

@@ -96,7 +96,7 @@ class PackedLinear(nn.Module):
     gemm_libraries.py; against it 32 rows still ran 1.03x the speed of 16 at 32 prompts.) The limit
     also sets the rows the fused decoder layer and the multi-step decodes take (kernels/
     cpu_native_ops.py), which save the Python between ops: so it is decided end to end, not by the
-    linears alone. Measured on Zen 4 (2 threads; docs/performance.md "Decode at 5-16 requests" and
+    linears alone. Measured on Zen 4 (2 threads; docs/performance/avx2-on-zen4.md "Decode at 5-16 requests" and
     "The small-rows limit per tier"):
       - linears alone (SmolLM2-135M's 121 matrices in turn, one process alternating, oneDNN ms / kernel
         ms), avx2 tier held to AVX2, fp16 weights: 4 rows 33.6 / 12.5 (2.7x), 8 rows 36.5 / 19.5

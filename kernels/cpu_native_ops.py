@@ -58,7 +58,7 @@ class _Stack:
 
     NOTE: why keep all this: each step used to rebuild it, about 60 tensor calls and six allocations
     of Python, and the step runs it with cold caches (the weights just streamed through them), where
-    each torch call costs several microseconds (docs/performance.md, session 19). One forward at a
+    each torch call costs several microseconds (docs/performance/batch-1.md, session 19). One forward at a
     time per model, as for its KV cache."""
 
     def __init__(self, layers: ctypes.Array, first_layer, max_rows: int) -> None:

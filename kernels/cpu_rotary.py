@@ -33,7 +33,7 @@ def prepare_rotary(
 
     NOTE: why keep the expanded tables: gathering and expanding the rows took nine small ops per
     step; at batch 1 they run with cold caches (the weights just streamed through them) and cost
-    about 70 us of a 10.6 ms step; two gathers cost a third of that (docs/performance.md, session 19)."""
+    about 70 us of a 10.6 ms step; two gathers cost a third of that (docs/performance/batch-1.md, session 19)."""
     positions = positions.to(torch.long)
     tables = _whole_tables(cos_sin_cache, dtype)
     if tables is None:

@@ -20,7 +20,7 @@ choice measured by bench/gemm_backends.py on the model's shapes:
     AVX2 + FMA, 6 x 16 micro tiles over panels packed once), reading the tier's fp16-stored weights
     as they are, so no fp32 copy of the model is kept (4 bytes per weight with the small-rows
     kernel's copy, not 6). Since session 26. On Zen 4 held to AVX2 (2 threads, SmolLM2-135M's 121
-    matrices in turn, one process alternating; docs/performance.md "vbatch's own GEMM over fp16
+    matrices in turn, one process alternating; docs/performance/avx2-on-zen4.md "vbatch's own GEMM over fp16
     panels") it ran 1.45x oneDNN's fp32 GEMM at 16 rows, 1.08x at 32, 1.28-1.32x at 48-64,
     1.03-1.08x at 128-256 and 0.99-1.04x at 512-8,192 (three layers); the 256-prompt run went 1.04x
     (ABBA: 190.1 / 182.1 against 178.1 / 181.2 output tok/s, prefill phase 1.05x). Before it, on

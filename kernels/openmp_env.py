@@ -9,7 +9,7 @@ The native kernels and torch share one OpenMP runtime, torch's libgomp (kernels/
 libgomp reads its environment once, when torch's import loads it; so this must run before the first
 `import torch` of the process, and does: every entry point imports the `vbatch` package first.
 
-NOTE: why 30,000 spins instead of libgomp's 300,000 (docs/performance.md, session 18). With the
+NOTE: why 30,000 spins instead of libgomp's 300,000 (docs/performance/batch-1.md, session 18). With the
 default, a worker keeps spinning through the engine's Python between steps. On the 2-vCPU VMs
 these issues are worked on, batch-1 decode on the fp32-arithmetic avx2 tier then had, at times,
 steps that ran uniformly twice as slow (11-25% of them); with 10,000-30,000 spins none, and batch

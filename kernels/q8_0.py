@@ -13,7 +13,7 @@ written out per element (tests/test_q8_0.py); the layer's oracle is `F.linear` o
 NOTE: the error. Rounding to the nearest of 255 levels per block gives |x - q d| <= d / 2 =
 max |x| / 254 per weight (plus fp16's rounding of d, relative 2^-11), against fp16's relative
 2^-11 per weight: an absolute error about 8x fp16's on a block's largest weights. It is an
-explicit opt-in (`--quantization q8_0`), never a default; docs/performance.md reports its greedy
+explicit opt-in (`--quantization q8_0`), never a default; docs/performance/avx2-zen3.md reports its greedy
 agreement with the fp16 weights on the real model.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ imports the `vbatch` package first). The weights and the KV cache are placed on 
 vbatch itself (kernels/cpu_huge_pages.py), whenever torch was imported; this covers the rest: the
 activations and oneDNN's packed GEMM weights.
 
-NOTE: why. Measured on the Intel Xeon with torch held to AVX2 (session 21, docs/performance.md
+NOTE: why. Measured on the Intel Xeon with torch held to AVX2 (session 21, docs/performance/batch-1.md
 "Huge pages"), 64 prompts of 128-512 tokens x 128, 2 ABBA rounds, the weights and KV cache already
 on huge pages: 187.15 -> 191.3 output tok/s (median of 4 each; every pair gained), prefill and
 decode alike. THP's "madvise" mode (the default of most distributions) gives huge pages only to

@@ -8,7 +8,7 @@ bits), so the contract is statistical, over 20 prompts (12 chat questions, 8 raw
     first departs from fp32's, the fp32 model itself rates bf16's token within NEAR_TIE of its own
     choice (a near-tie that 8-bit rounding may flip, not a wrong token); the common prefix of the
     first 16 tokens covers >= 75% of all tokens (a floor only: the share is chaotic, see below).
-Measured here when written (2 threads, this CPU): see docs/performance.md ("bf16 accuracy").
+Measured here when written (2 threads, this CPU): see docs/performance/avx512-bf16.md ("bf16 accuracy").
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ same rounded values in fp32 (kernels/cpu_linear.py), so the model is one functio
 size. Keys and values are rounded the same way when they are written to the cache (the attention
 widens them exactly). Activations, norms, the embedding lookup and every product and sum stay fp32.
 Oracle: the same engine with exact fp32 weights, whose greedy tokens test_engine_equality.py proves
-identical to transformers'. Contract (measured here when written, docs/performance.md "Half-precision
-weights"), over the 20 prompts of test_cpu_bf16.py:
+identical to transformers'. Contract (measured here when written, docs/performance/avx2-zen3.md "Accuracy
+of half-precision storage"), over the 20 prompts of test_cpu_bf16.py:
   - prefill logits: max |half - fp32| over the vocabulary below LOGIT_TOL[storage] for every prompt;
   - greedy: the first token agrees on every prompt (fp16) / >= 95% (bf16), wherever a run first
     departs from fp32's the fp32 model rates the departing token within NEAR_TIE of its own choice

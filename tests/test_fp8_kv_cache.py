@@ -15,7 +15,7 @@ Oracles:
     unrounded model (prefill logits, the median over 20 prompts, CLOSER_BY), which a cache left
     unrounded or rounded to the other format fails;
   - the accuracy cost, reported (-s prints it) and held to the contract measured when written:
-    greedy agreement with the unrounded cache (docs/performance.md, "fp8 KV cache").
+    greedy agreement with the unrounded cache (docs/performance/intel-xeon.md, "fp8 KV cache").
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Oracles:
     GEMM's rows to int16;
   - the accuracy cost, reported: greedy agreement with the unquantized model (exact fp32 weights,
     and the fp16 weights dtype auto streams on an AVX2 CPU), with the contract measured when
-    written (docs/performance.md "Q8_0 weights").
+    written (docs/performance/avx2-zen3.md "Q8_0 weights").
 """
 from __future__ import annotations
 

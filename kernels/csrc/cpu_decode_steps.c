@@ -11,7 +11,7 @@
  *
  * NOTE: why. At batch 1 the Python between two forwards (scheduling, input tensors, the head's and
  * the sampler's calls, the outputs) takes about 1 ms of a 10.8 ms step, most of it cache misses: each
- * forward streams 270 MB of weights through every cache level (docs/performance.md, session 20).
+ * forward streams 270 MB of weights through every cache level (docs/performance/batch-1.md, session 20).
  * Here that runs once per call of up to num_steps steps instead of once per token.
  */
 #include <stdint.h>

@@ -11,7 +11,7 @@
  * here. Inside one parallel region the matrix-vector products are shared out by `omp for`, the
  * per-token steps run on one thread (`omp single`), and the team only meets at barriers. The
  * region spans every layer of the call (the model passes all of them): a layer per call cost
- * about 13 us of Python and a fork/join per layer, 3-4% of a batch-1 step (docs/performance.md).
+ * about 13 us of Python and a fork/join per layer, 3-4% of a batch-1 step (docs/performance/batch-1.md, session 18).
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -25,7 +25,7 @@
  * NOTE: why fp16 panels cost nothing. On Zen 4 held to AVX2 (2 threads, SmolLM2-135M's 121 matrices
  * in turn, one process alternating; session 26) the fp16 panels ran 0.95-1.02x the fp32 panels' speed
  * at 16-8,192 rows: widening a 576 x 16 block is ~2% of the 96 rows' multiply-adds on it, and at 16-64
- * rows this GEMM is bound by its tiles, not by the bytes (docs/performance.md "vbatch's own GEMM").
+ * rows this GEMM is bound by its tiles, not by the bytes (docs/performance/avx2-on-zen4.md "vbatch's own GEMM over fp16 panels").
  */
 #include <omp.h>
 #include <stdint.h>

@@ -241,7 +241,7 @@ static inline __attribute__((always_inline)) void rows_q8(
  * 19.9 (four streams, two chains) -> 20.5 (eight streams, one chain). From L2 it runs at 60 GB/s,
  * so memory, not the arithmetic, bounds it. Software prefetch 256-2048 bytes ahead in each
  * stream: no gain (15.5-20.5 GB/s, the longer distances slower).
- * NOTE: on Intel the same prefetch helps: on the Xeon of docs/performance.md (`python
+ * NOTE: on Intel the same prefetch helps: on the Xeon of docs/performance/intel-xeon.md (`python
  * bench/small_rows.py --dtype float32 --weights float16 --rows 1`, 2 threads, alternating) 1 KB
  * ahead took the avx2 tier from 21.5 to 24.2 GB/s (medians of 4 rounds) and the AVX-512 tier from
  * 21.7 to 25.6 (3 rounds); 2-3 KB gained less. So it is built in on Intel CPUs only

@@ -16,7 +16,7 @@
  * next span's, line by line beside the loads of this one (a request's blocks sit anywhere in the
  * cache, so the hardware prefetcher cannot follow). Measured on the Intel Xeon, avx2 tier, 64 x 384
  * positions from memory: 56-58 ns per (position, kv head) without, 34-35 at 32 ahead, 37-38 at 16,
- * 37-39 at 64, 40-42 at 128 (docs/performance.md, session 12). */
+ * 37-39 at 64, 40-42 at 128 (docs/performance/intel-xeon.md, session 12). */
 #define SPAN_PREFETCH SPAN
 /* A cache that needs more than a shift to widen (fp8, fp16) has each span's values widened once per
  * kv head into the scratch's key/value buffers (sc->kt: 16 x D + 16 x D floats in builds without

@@ -4,7 +4,7 @@
  * outputs; a panel's k block is reused by every micro tile of the row block, and the row block's
  * k block by every panel. vb_k_block keeps the two of them (bytes_per_k bytes per k together) in
  * half the L2 cache, in a multiple of `multiple`.
- * NOTE: why the L2 and not the L1 (session 24, Zen 4: 32 KiB L1, 1 MiB L2; docs/performance.md
+ * NOTE: why the L2 and not the L1 (session 24, Zen 4: 32 KiB L1, 1 MiB L2; docs/performance/q8_0.md
  * "Q8_0's k block on a 32 KiB L1"). Sized to the L1, the blocks cut SmolLM2's K = 576 in two or
  * three, and each extra block re-reads and re-writes every output: raced in one process, the
  * L2-sized blocks took 0.86-0.97x the time at 8,192 rows (integer Q8_0 and fp32 alike) and the
