@@ -195,54 +195,77 @@ class PackedLinear(nn.Module):
 class PackedGateUp(PackedLinear):
     """The merged [gate; up] projection of a gated MLP, with `silu_and_mul(x)` fused into its GEMMs.
 
-    `silu_and_mul(x)` == `silu_and_mul(self(x))` (activation_ref): above `small_rows` rows it is two
-    GEMMs over the packed gate and up halves, the first with SiLU applied to its fp32 accumulator,
-    the second multiplying its accumulator by the first's result, so the [rows, 2 * inter] product
-    is never written, read back and converted (measured on Zen 4, 2 threads, SmolLM2's shapes, bf16:
-    8,192 rows 94 -> 73 ms, 2,048 rows 19.5 -> 18.5, 256 rows 2.5 -> 2.3). In bf16, gate and up are
-    not rounded to bf16 before the activation, so it differs from the reference by bf16 rounding
-    only (tests/test_cpu_kernels.py). Up to `small_rows` rows: the small-rows kernel and the native
-    SiLU-and-mul, exactly as the separate ops (the fused decoder layer's equality test relies on it)."""
+    `silu_and_mul(x)` == `silu_and_mul(self(x))` (activation_ref), so the [rows, 2 * inter] product
+    is never written, read back and converted. Above `small_rows` rows, one of two ways:
+      - a library with a gated GEMM (`GemmBackend.gated`: vbatch's own, the avx2 tier's fp32 GEMM):
+        one GEMM over the gate and up panels in pairs, SiLU-and-mul in its epilogue with the native
+        op's formula, so it equals GEMM + op bit for bit (kernels/csrc/cpu_gemm.c gemm_gated's NOTE:
+        1.01-1.05x on Zen 4 held to AVX2);
+      - else two GEMMs over the packed gate and up halves, the first with SiLU applied to its fp32
+        accumulator, the second multiplying its accumulator by the first's result (measured on Zen
+        4, 2 threads, SmolLM2's shapes, bf16: 8,192 rows 94 -> 73 ms, 2,048 rows 19.5 -> 18.5, 256
+        rows 2.5 -> 2.3). In bf16, gate and up are not rounded to bf16 before the activation, so it
+        differs from the reference by bf16 rounding only (tests/test_cpu_kernels.py).
+    Up to `small_rows` rows: the small-rows kernel and the native SiLU-and-mul, exactly as the
+    separate ops (the fused decoder layer's equality test relies on it)."""
 
     def __init__(self, linear: nn.Linear, *, backend: GemmBackend | None = None, native=None,
                  weight_dtype: torch.dtype | None = None) -> None:
         super().__init__(linear, backend=backend, native=native, weight_dtype=weight_dtype, pack=False)
         half = self.out_features // 2
         weight, bias = self.compute_weight, linear.bias
-        self.register_buffer("packed_gate", self.backend.pack(weight[:half]), persistent=False)
-        self.register_buffer("packed_up", self.backend.pack(weight[half:]), persistent=False)
-        self.register_buffer("bias_gate", None if bias is None else bias.detach()[:half].clone(), persistent=False)
-        self.register_buffer("bias_up", None if bias is None else bias.detach()[half:].clone(), persistent=False)
+        self.one_gemm = self.backend.gated is not None
+        if self.one_gemm:
+            self.register_buffer("packed_gated", self.backend.pack_gated(weight[:half], weight[half:]),
+                                 persistent=False)
+            self.register_buffer("bias_gated", None if bias is None else bias.detach().clone(), persistent=False)
+        else:
+            self.register_buffer("packed_gate", self.backend.pack(weight[:half]), persistent=False)
+            self.register_buffer("packed_up", self.backend.pack(weight[half:]), persistent=False)
+            self.register_buffer("bias_gate", None if bias is None else bias.detach()[:half].clone(), persistent=False)
+            self.register_buffer("bias_up", None if bias is None else bias.detach()[half:].clone(), persistent=False)
         self.compute_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # the Linear's contract: [..., in] -> [..., 2 * inter]
         small = self._small(x)
         if small is not None:
             return small
-        half = self.out_features // 2
-        return torch.cat([packed_linear(x, self.packed_gate, self.bias_gate, half, self.backend),
-                          packed_linear(x, self.packed_up, self.bias_up, half, self.backend)], dim=-1)
+        rows = x.reshape(-1, self.in_features)
+        if self.one_gemm:
+            out = self.backend.gated(rows, self.packed_gated, self.bias_gated, False)
+        else:
+            out = torch.cat([self.backend.linear(rows, self.packed_gate, self.bias_gate, "none"),
+                             self.backend.linear(rows, self.packed_up, self.bias_up, "none")], dim=-1)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., inter]
         small = self._small(x)
         if small is not None:
             return self.native.silu_and_mul(small, torch.get_num_threads())
         rows = x.reshape(-1, self.in_features)
-        gate = self.backend.linear(rows, self.packed_gate, self.bias_gate, "silu")
-        out = self.backend.linear_mul(rows, self.packed_up, self.bias_up, gate)
+        if self.one_gemm:
+            out = self.backend.gated(rows, self.packed_gated, self.bias_gated, True)
+        else:
+            gate = self.backend.linear(rows, self.packed_gate, self.bias_gate, "silu")
+            out = self.backend.linear_mul(rows, self.packed_up, self.bias_up, gate)
         return out.view(*x.shape[:-1], self.out_features // 2)
 
 
 def pack_gate_up(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None = None,
                  quantization: str | None = None) -> nn.Module:
-    """The packed twin of a gated MLP's merged gate/up `linear`: for bf16 with `silu_and_mul` fused
-    into its GEMMs; for fp32 one plain packed GEMM (the model then applies the op's SiLU-and-mul),
-    because oneDNN's fp32 post-ops ran slower than the GEMM plus the native op on Zen 3 (2 threads,
-    576 -> 2 x 1536: 256 rows 8.8 vs 6.3 ms, 2,048 rows 59 vs 48, 8,192 rows 264 vs 241). Any other
-    dtype, or no oneDNN: the plain module."""
-    if not can_pack(linear.weight.dtype):
+    """The packed twin of a gated MLP's merged gate/up `linear`: `silu_and_mul` fused into its GEMMs
+    (PackedGateUp) for bf16, and for fp32 where the GEMM library has a gated GEMM (vbatch's own: the
+    avx2 tier); otherwise for fp32 one plain packed GEMM (the model then applies the op's
+    SiLU-and-mul), because oneDNN's fp32 post-ops ran slower than the GEMM plus the native op on Zen 3
+    (2 threads, 576 -> 2 x 1536: 256 rows 8.8 vs 6.3 ms, 2,048 rows 59 vs 48, 8,192 rows 264 vs 241),
+    and for Q8_0 weights (their own GEMMs: pack_linear). Any other dtype, or no oneDNN: the plain module."""
+    dtype = linear.weight.dtype
+    if not can_pack(dtype):
         return linear
-    if linear.weight.dtype != torch.bfloat16:
+    if dtype == torch.float32 and quantization is None:
+        if gemm_backend(dtype, None if native is None else native.tier).gated is not None:
+            return PackedGateUp(linear, native=native, weight_dtype=weight_dtype)
+    if dtype != torch.bfloat16:
         return pack_linear(linear, native=native, weight_dtype=weight_dtype, quantization=quantization)
     return PackedGateUp(linear, native=native, weight_dtype=weight_dtype)
 

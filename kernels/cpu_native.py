@@ -146,6 +146,30 @@ class NativeKernels:
             raise NativeKernelError("native fp16 GEMM: out of memory for its per-thread weight block")
         return out if rc == 0 else None
 
+    def gemm_gated(self, rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fuse: bool,
+                   num_threads: int) -> torch.Tensor | None:
+        """rows [M, K] fp32 (unit column stride) times a gated MLP's gate and up weights packed by
+        gemm_libraries.pack_gated_panels ([2 * inter, K] fp32 or fp16), plus bias [2 * inter] (the gate's,
+        then the up projection's) -> silu(gate) * up [M, inter] fp32 when `fuse` (vb_silu_and_mul's
+        formula, in the GEMM's epilogue), else gate | up [M, 2 * inter] (cpu_gemm.c); None: this build
+        has no GEMM."""
+        two_inter, k = packed.shape
+        assert rows.dtype == torch.float32 and packed.dtype in (torch.float32, torch.float16) and two_inter % 2 == 0
+        assert packed.is_contiguous() and rows.shape[1] == k >= 1
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        if bias is not None:
+            assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (two_inter,)
+        inter = two_inter // 2
+        out = torch.empty(rows.shape[0], inter if fuse else two_inter, dtype=torch.float32)
+        name = "vb_gemm_gated" if packed.dtype == torch.float32 else "vb_gemm_gated_f16"
+        rc = self._fn(name, torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                           None if bias is None else bias.data_ptr(), out.data_ptr(), out.shape[1],
+                                           rows.shape[0], inter, k, int(fuse), num_threads)
+        if rc == 3:
+            raise NativeKernelError("native gated GEMM: out of memory for its per-thread buffers")
+        return out if rc == 0 else None
+
     @property
     def has_gemm(self) -> bool:
         """Whether this build has the fp32 GEMM (cpu_gemm.c: AVX2 and FMA)."""
@@ -342,6 +366,8 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_fma_probe": ([i64, f32, f32, i32], ctypes.c_float),
         "vb_gemm": ([p, i64, p, p, p, i64, i32, i32, i32, i32], ctypes.c_int),
         "vb_gemm_f16": ([p, i64, p, p, p, i64, i32, i32, i32, i32], ctypes.c_int),
+        "vb_gemm_gated": ([p, i64, p, p, p, i64, i32, i32, i32, i32, i32], ctypes.c_int),
+        "vb_gemm_gated_f16": ([p, i64, p, p, p, i64, i32, i32, i32, i32, i32], ctypes.c_int),
         "vb_gemm_q8": ([p, i64, p, p, p, i64, i32, i32, i32, i32, i32], ctypes.c_int),
         "vb_fma_width": ([], ctypes.c_int),
         "vb_vector_lanes": ([], ctypes.c_int),

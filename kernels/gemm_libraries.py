@@ -32,6 +32,8 @@ choice measured by bench/gemm_backends.py on the model's shapes:
     run went 196.5 / 180.9 output tok/s against oneDNN's 186.7 / 165.1 (ABBA, VBATCH_GEMM=native).
     Zen 4 only stands in for the AVX2 CPUs this tier is for: a race on Zen 3 (bench/gemm_backends.py,
     VBATCH_GEMM=onednn against the default) is still owed; the memory it saves holds on any CPU.
+    It also has a gated GEMM (`GemmBackend.gated`, cpu_gemm.c gemm_gated): a gated MLP's gate and up
+    projections in one pass, SiLU-and-mul in its epilogue (cpu_linear.PackedGateUp), since session 27.
 VBATCH_GEMM=onednn|zentorch|mkl|native overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out; it
 is never loaded on a CPU that is not AMD's);
 `vbatch bench` prints the library in use.
@@ -67,6 +69,11 @@ class GemmBackend:
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)  # what it multiplies
     # narrower stored weights it packs as they are and widens in its kernel (no fp32 copy is made)
     stored_dtypes: tuple[torch.dtype, ...] = ()
+    # A gated MLP's gate and up projections in one GEMM, where the library has one (vbatch's own):
+    # (gate [inter, in], up [inter, in]) -> one packed weight, and (rows [M, in], that weight, bias
+    # [2 * inter] | None, fuse) -> silu(gate) * up [M, inter] (fuse) or gate | up [M, 2 * inter].
+    pack_gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    gated: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor] | None = None
 
 
 # activation -> (oneDNN post-op, its algorithm): applied to the fp32 accumulator inside the GEMM
@@ -136,6 +143,17 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([panels, tail]).view(n, k)
 
 
+def pack_gated_panels(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [inter, K] (one dtype, fp32 or fp16) -> cpu_gemm.c's gated layout, [2 * inter, K]: for
+    each panel of 16 outputs (a last one of inter % 16), the gate's panel then the up projection's,
+    each laid out as pack_panels lays it ([K][16], k-major)."""
+    inter, k = gate.shape
+    whole = inter // 16 * 16
+    g, u = pack_panels(gate).reshape(-1), pack_panels(up).reshape(-1)
+    pairs = torch.stack([g[:whole * k].view(-1, 16 * k), u[:whole * k].view(-1, 16 * k)], dim=1)  # [P, 2, 16 K]
+    return torch.cat([pairs.reshape(-1), g[whole * k:], u[whole * k:]]).view(2 * inter, k)
+
+
 _ACTIVATIONS = {"none": lambda y: y, "silu": F.silu, "gelu": F.gelu,
                 "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
@@ -154,13 +172,17 @@ def native_backend(kernels) -> GemmBackend:
     def linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
         return _ACTIVATIONS[act](kernels.gemm(rows, packed, bias, torch.get_num_threads()))
 
-    def pack(weight: torch.Tensor) -> torch.Tensor:   # fp16 panels stay fp16 (cpu_gemm.c widens them)
+    def panels(weight: torch.Tensor) -> torch.Tensor:   # fp16 panels stay fp16 (cpu_gemm.c widens them)
         weight = weight.detach()
-        return pack_panels((weight if weight.dtype == torch.float16 else weight.float()).contiguous())
+        return (weight if weight.dtype == torch.float16 else weight.float()).contiguous()
 
-    return GemmBackend(name="native", pack=pack, linear=linear,
+    def gated(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fuse: bool) -> torch.Tensor:
+        return kernels.gemm_gated(rows, packed, bias, fuse, torch.get_num_threads())
+
+    return GemmBackend(name="native", pack=lambda weight: pack_panels(panels(weight)), linear=linear,
                        linear_mul=lambda rows, packed, bias, other: linear(rows, packed, bias, "none") * other,
-                       dtypes=(torch.float32,), stored_dtypes=(torch.float16,))
+                       dtypes=(torch.float32,), stored_dtypes=(torch.float16,),
+                       pack_gated=lambda gate, up: pack_gated_panels(panels(gate), panels(up)), gated=gated)
 
 
 BACKEND_NAMES = ("onednn", "mkl", "zentorch", "native")

@@ -62,6 +62,57 @@ def test_native_gemm_matches_linear(native, shape, weights, threads):
             assert (got.double() - want).abs().max().item() <= 2e-6 * k + 1e-6
 
 
+def test_pack_gated_panels_is_the_documented_layout():
+    inter, k = 37, 3                                  # two whole pairs of panels and a tail pair of 5
+    gate = torch.arange(inter * k, dtype=torch.float32).view(inter, k)
+    up = -gate - 1
+    flat = gemm_libraries.pack_gated_panels(gate, up).reshape(-1)
+    assert flat.numel() == 2 * inter * k
+    for p in range(3):
+        nc = min(16, inter - 16 * p)
+        pair = flat[p * 2 * 16 * k:][:2 * nc * k]
+        for which, w in ((0, gate), (1, up)):
+            for kk in range(k):
+                for j in range(nc):
+                    assert pair[which * nc * k + kk * nc + j] == w[16 * p + j, kk]
+
+
+GATED_SHAPES = [  # (rows, inter, K): rows past the 6-row tile and the row block, a masked last panel
+    (1, 1, 1), (5, 17, 3), (7, 33, 300), (13, 16, 257), (97, 49, 576), (256, 80, 96), (191, 40, 1536),
+    (9, 20, 2401), (0, 16, 8)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("weights", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", GATED_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in GATED_SHAPES])
+def test_native_gated_gemm_matches_linear_and_silu_and_mul(native, shape, weights, threads):
+    # The gated GEMM (gate and up panels in pairs): unfused, it is [gate | up] as F.linear gives it
+    # (oracle: the fp64 product of the stored values); fused, it equals its own unfused result put
+    # through the native SiLU-and-mul op bit for bit (the same formula, lane for lane), and the fp64
+    # silu(gate) * up within fp32 rounding.
+    _gemm(native)
+    m, inter, k = shape
+    g = torch.Generator().manual_seed(m * 7919 + inter * 31 + k)
+    gate, up = torch.randn(inter, k, generator=g).to(weights), torch.randn(inter, k, generator=g).to(weights)
+    bias = torch.randn(2 * inter, generator=g)
+    wide = torch.randn(m, k + 3, generator=g)
+    x = wide[:, 1:k + 1]                              # rows k + 3 floats apart
+    packed = gemm_libraries.pack_gated_panels(gate, up)
+    assert packed.dtype == weights and packed.shape == (2 * inter, k)
+    for b in (None, bias):
+        both = native.gemm_gated(x, packed, b, False, threads)
+        want = F.linear(x.double(), torch.cat([gate, up]).double(), None if b is None else b.double())
+        assert both.shape == (m, 2 * inter) and both.dtype == torch.float32
+        if m:
+            assert (both.double() - want).abs().max().item() <= 2e-6 * k + 1e-6
+        fused = native.gemm_gated(x, packed, b, True, threads)
+        assert fused.shape == (m, inter)
+        assert torch.equal(fused, native.silu_and_mul(both, threads))
+        if m:
+            exact = want[:, :inter] * torch.sigmoid(want[:, :inter]) * want[:, inter:]
+            assert (fused.double() - exact).abs().max().item() <= (2e-6 * k + 1e-6) * (exact.abs().amax().item() + 1)
+
+
 def test_native_backend_through_packed_linear(native, monkeypatch):
     """The backend as the model uses it: PackedLinear with VBATCH_GEMM=native, fp16-stored weights
     packed as they are (no fp32 copy: cpu_gemm.c widens them), 5+ rows (fewer go through the

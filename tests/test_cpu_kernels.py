@@ -37,6 +37,11 @@ def _backend(name: str) -> gemm_libraries.GemmBackend:
     tests/test_triton_kernels.py must be the first to import triton (with TRITON_INTERPRET set)."""
     if name in ("onednn", "mkl"):
         return gemm_libraries.backend_named(name)
+    if name == "native":   # vbatch's own (cpu_gemm.c), of the selected tier's build
+        backend = gemm_libraries.backend_named("native")
+        if backend is None:
+            pytest.skip("this tier's native build has no GEMM (cpu_gemm.c needs AVX2 and FMA)")
+        return backend
     backend = gemm_libraries._zentorch()
     if backend is None:
         if not cpu_features.detect().is_amd:
@@ -123,20 +128,25 @@ def test_small_rows_kernel_takes_the_rows_where_it_beats_the_gemm(dtype, weights
 
 
 @pytest.mark.parametrize("dtype,weights", PACKED)
-@pytest.mark.parametrize("backend", ["onednn", "zentorch"])
+@pytest.mark.parametrize("backend", ["onednn", "zentorch", "native"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 130])  # <= 4: small-rows kernel + native SiLU; above: fused GEMMs
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33, 64, 130])  # up to small_rows: small-rows kernel + native SiLU
 def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias, backend, dtype, weights):
     from vbatch.kernels import activation_ref
     backend = _backend(backend)
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} has no {dtype} GEMM")
     torch.manual_seed(rows)
     inter = 80
     linear = nn.Linear(96, 2 * inter, bias=bias).to(dtype)
     x = torch.randn(rows, 96).to(dtype)
     packed = cpu_linear.PackedGateUp(linear, backend=backend, native=_native(), weight_dtype=weights)
+    assert packed.one_gemm == (backend.gated is not None)
     bound = cpu_linear.pack_gate_up(linear, native=_native(), weight_dtype=weights)
-    # bf16: SiLU and the product fused into the GEMMs; fp32: one plain GEMM (its post-ops ran slower)
-    assert type(bound) is (cpu_linear.PackedGateUp if dtype == torch.bfloat16 else cpu_linear.PackedLinear)
+    # SiLU and the product fused into the GEMMs for bf16, and for fp32 where the tier's library has a
+    # gated GEMM (vbatch's own); else fp32 takes one plain GEMM (oneDNN's post-ops ran slower)
+    fused = dtype == torch.bfloat16 or gemm_libraries.gemm_backend(dtype, _native().tier).gated is not None
+    assert type(bound) is (cpu_linear.PackedGateUp if fused else cpu_linear.PackedLinear)
     weight = linear.weight.to(weights).to(dtype)
     product = F.linear(x, weight, linear.bias)                            # [rows, 2 * inter]
     tol = TOL[dtype]
@@ -155,8 +165,8 @@ def test_packed_gate_up_silu_and_mul_matches_the_reference(rows, bias, backend, 
     assert (got.double() - exact_act).abs().max().item() <= scale * act_tol
     assert (reference.double() - exact_act).abs().max().item() <= scale * act_tol   # the same tolerance fits both
     assert (got.double() - exact_act).abs().mean() <= 1.5 * (reference.double() - exact_act).abs().mean() + 1e-6
-    if rows <= packed.small_rows:
-        # the small path is the separate native ops
+    if rows <= packed.small_rows or packed.one_gemm:
+        # the small path is the separate native ops; the gated GEMM's epilogue has their formula
         assert torch.equal(got, packed.native.silu_and_mul(packed(x), torch.get_num_threads()))
 
 

@@ -23,4 +23,14 @@ static inline int vb_k_block(long bytes_per_k, int multiple) {
     return kc < multiple ? multiple : kc;
 }
 
+/* Rows of a block whose x rows (bytes_per_row each) and `fixed` bytes more fit half the L2: a multiple
+ * of `multiple`, at least one, at most `most` (cpu_gemm.c's gated GEMM, which takes all of K at once). */
+static inline int vb_row_block(long bytes_per_row, long fixed, int most, int multiple) {
+    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (l2 < 128 * 1024 || l2 > 64 * 1024 * 1024) l2 = 512 * 1024;  /* unknown (0 / -1) or implausible */
+    const long room = l2 / 2 - fixed;
+    const int rows = room > 0 ? (int)(room / bytes_per_row) / multiple * multiple : 0;
+    return rows < multiple ? multiple : rows > most ? most : rows;
+}
+
 #endif

@@ -52,6 +52,14 @@ int VB_ACT(vb_gemm)(const float *x, int64_t ldx, const float *packed, const floa
  * when out of memory for the per-thread block. */
 int VB_ACT(vb_gemm_f16)(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
                         int64_t ldy, int m, int n, int k, int num_threads);
+/* A gated MLP's gate and up projections ([inter, k] each) in one GEMM, their panels in pairs
+ * (gemm_libraries.pack_gated_panels), bias [2 * inter] (gate's, then up's) or NULL: fuse = 1, y[m,
+ * inter] = silu(gate) * up (vb_silu_and_mul's formula); fuse = 0, y[m, 2 * inter] = gate | up. Returns as
+ * vb_gemm / vb_gemm_f16 (3: out of memory for the per-thread buffers). */
+int VB_ACT(vb_gemm_gated)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                          int m, int inter, int k, int fuse, int num_threads);
+int VB_ACT(vb_gemm_gated_f16)(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
+                              int64_t ldy, int m, int inter, int k, int fuse, int num_threads);
 
 /* cpu_gemm_q8.c: y[m, n] = x[m, k] (q * d)^T (+ b) over Q8_0 weights packed in int16 panels, in
  * integer arithmetic (x rounded to int16 per row); vnni: AVX-VNNI's vpdpwssd. Returns 0; 1 in a
