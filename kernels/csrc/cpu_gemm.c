@@ -92,7 +92,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int w
 }
 
 /* Rows [r0, r1) of one panel over k block [k0, k0 + kc): 6-row tiles, then the 1-5 rows left. The
- * first tile also prefetches the block read next, pf (kc x pf_step bytes), when there is one. */
+ * first tile (of 6 rows, or of all the rows when fewer) also prefetches the block read next, pf (kc
+ * x pf_step bytes), when there is one. */
 static void panel_rows(int whole, int nc, int r0, int r1, int k0, int kc, const float *x, int64_t ldx,
                        const float *w, float *y, int64_t ldy, const float *bias, const char *pf, int64_t pf_step) {
     const int first = k0 == 0;
@@ -101,6 +102,7 @@ static void panel_rows(int whole, int nc, int r0, int r1, int k0, int kc, const 
         if (whole) tile(MR, 1, NR, kc, x + i * ldx + k0, ldx, w, y + i * ldy, ldy, bias, first, 1, pf, pf_step);
         else tile(MR, 0, nc, kc, x + i * ldx + k0, ldx, w, y + i * ldy, ldy, bias, first, 1, pf, pf_step);
         i += MR;
+        pf = NULL;
     }
     if (whole) {
         for (; i + MR <= r1; i += MR) tile(MR, 1, NR, kc, x + i * ldx + k0, ldx, w, y + i * ldy, ldy, bias, first, 0, 0, 0);
@@ -110,8 +112,10 @@ static void panel_rows(int whole, int nc, int r0, int r1, int k0, int kc, const 
     const float *xi = x + i * ldx + k0;
     float *yi = y + i * ldy;
 #define VB_GEMM_LEFT(m) \
-    (whole ? tile(m, 1, NR, kc, xi, ldx, w, yi, ldy, bias, first, 0, 0, 0) \
-           : tile(m, 0, nc, kc, xi, ldx, w, yi, ldy, bias, first, 0, 0, 0))
+    (pf ? (whole ? tile(m, 1, NR, kc, xi, ldx, w, yi, ldy, bias, first, 1, pf, pf_step) \
+                 : tile(m, 0, nc, kc, xi, ldx, w, yi, ldy, bias, first, 1, pf, pf_step)) \
+        : (whole ? tile(m, 1, NR, kc, xi, ldx, w, yi, ldy, bias, first, 0, 0, 0) \
+                 : tile(m, 0, nc, kc, xi, ldx, w, yi, ldy, bias, first, 0, 0, 0)))
     switch (r1 - i) {
         case 5: VB_GEMM_LEFT(5); break;
         case 4: VB_GEMM_LEFT(4); break;

@@ -31,6 +31,13 @@
  * outputs), all panels first, then the scales as fp32 [panels][K / 32][16].
  * Blocking as cpu_gemm.c: threads take contiguous ranges of panels, K goes in near-equal blocks of
  * at most kc_max() (a multiple of 32), rows in blocks of MC; the micro tile is MR rows x 16 outputs.
+ * NOTE: as in cpu_gemm.c, in the first row block each panel's first tile prefetches the next
+ * panel's weights and scales (read straight from memory there), a block of 32 inputs at a time.
+ * Raced in one process against the kernel without it (Zen 4 held to AVX2, 2 threads, SmolLM2's 30
+ * layers of four linears, medians of 9 rounds; outputs identical): 4 rows 1.20x, 5 rows 1.24x, 8
+ * rows 1.44-1.60x, 16 rows 1.32-1.38x, 32 rows 1.17x, 64 rows 1.05-1.10x, 256-2,048 rows 0.99-1.02x;
+ * in the engine (bench/op_times.py --num-prompts 32 --quantization q8_0, two pairs) the decode
+ * steps' linears took 5.02 -> 4.38 s.
  */
 #include <float.h>
 #include <math.h>
@@ -153,11 +160,17 @@ static int has_avxvnni(void) {
 static inline __attribute__((always_inline)) void tile(const int mr, int nc, int kc, const int16_t *xq,
                                                        int64_t ldq, const int16_t *w, const float *d, float *y,
                                                        int64_t ldy, const float *s, const float *bias, int first,
-                                                       int last, int vnni) {
+                                                       int last, int vnni, const int16_t *pw, const float *pd) {
     __m256 c[MR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < mr; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
     for (int b = 0; b < kc; b += VB_Q8_BLOCK) {
+        if (pw) {   /* the next panel's weights and scales of this block (1 KiB + 64 B) into the L2 */
+            const char *next = (const char *)(pw + (int64_t)b * NR);
+#pragma GCC unroll 16
+            for (int l = 0; l < VB_Q8_BLOCK * NR * 2; l += 64) _mm_prefetch(next + l, _MM_HINT_T1);
+            _mm_prefetch((const char *)(pd + (b / VB_Q8_BLOCK) * NR), _MM_HINT_T1);
+        }
         __m256i acc[MR][2];
 #pragma GCC unroll 6
         for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
@@ -216,19 +229,25 @@ static inline __attribute__((always_inline)) void tile(const int mr, int nc, int
 }
 
 static void panel_rows(int nc, int r0, int r1, int k0, int kc, int last, int vnni, const int16_t *xq, int64_t ldq,
-                       const int16_t *w, const float *d, float *y, int64_t ldy, const float *s, const float *bias) {
+                       const int16_t *w, const float *d, float *y, int64_t ldy, const float *s, const float *bias,
+                       const int16_t *pw, const float *pd) {
     const int first = k0 == 0;
     int i = r0;
+    if (pw && i + MR <= r1) {   /* the first tile also prefetches the next panel's block */
+        tile(MR, nc, kc, xq + i * ldq + k0, ldq, w, d, y + i * ldy, ldy, s + i, bias, first, last, vnni, pw, pd);
+        i += MR;
+        pw = NULL, pd = NULL;
+    }
     for (; i + MR <= r1; i += MR)
-        tile(MR, nc, kc, xq + i * ldq + k0, ldq, w, d, y + i * ldy, ldy, s + i, bias, first, last, vnni);
+        tile(MR, nc, kc, xq + i * ldq + k0, ldq, w, d, y + i * ldy, ldy, s + i, bias, first, last, vnni, NULL, NULL);
     const int16_t *xi = xq + i * ldq + k0;
     float *yi = y + i * ldy;
     switch (r1 - i) {
-        case 5: tile(5, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
-        case 4: tile(4, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
-        case 3: tile(3, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
-        case 2: tile(2, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
-        case 1: tile(1, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni); break;
+        case 5: tile(5, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni, pw, pd); break;
+        case 4: tile(4, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni, pw, pd); break;
+        case 3: tile(3, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni, pw, pd); break;
+        case 2: tile(2, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni, pw, pd); break;
+        case 1: tile(1, nc, kc, xi, ldq, w, d, yi, ldy, s + i, bias, first, last, vnni, pw, pd); break;
         default: break;
     }
 }
@@ -274,8 +293,11 @@ int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const
                     const int nc = n - p * NR < NR ? n - p * NR : NR;
                     const int16_t *w = packed + (int64_t)p * NR * k + (int64_t)k0 * NR;
                     const float *d = scales + ((int64_t)p * blocks + k0 / VB_Q8_BLOCK) * NR;
+                    /* the next panel's block, read straight from memory in the first row block */
+                    const int pref = r0 == 0 && p + 1 < p1;
                     panel_rows(nc, r0, r1, k0, kc, last, vnni, xq, k, w, d, y + p * NR, ldy, s,
-                               bias ? bias + p * NR : NULL);
+                               bias ? bias + p * NR : NULL, pref ? w + (int64_t)NR * k : NULL,
+                               pref ? d + (int64_t)blocks * NR : NULL);
                 }
             }
         }
