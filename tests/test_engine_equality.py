@@ -6,11 +6,14 @@ prompt whatever the batch size, chunking, prefix caching or preemption.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from vbatch import LLM, SamplingParams
 from vbatch.kernels.cpu_features import detect
+from vbatch.kernels.gemm_libraries import gemm_backend
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +106,12 @@ def test_greedy_matches_transformers_on_every_lower_cpu_tier(smollm2_path, promp
     monkeypatch.setenv("VBATCH_CPU_TIER", tier)
     llm, ours = _run(smollm2_path, prompts, max_num_seqs=20)
     assert llm.engine.runner.ops.cpu_tier.name == tier and llm.engine.runner.ops.native is not None
+    # where the tier's fp32 GEMM is vbatch's own (avx2), the prompts' MLPs ran through its gated GEMM
+    gate_up = llm.engine.runner.model.layers[0].mlp.gate_up
+    ops = llm.engine.runner.ops
+    gated = llm.engine.dtype == torch.float32 and gemm_backend(torch.float32, ops.cpu_tier).gated is not None
+    assert gated == (tier == "avx2" and not os.environ.get("VBATCH_GEMM"))
+    assert getattr(gate_up, "one_gemm", False) == gated
     mismatches = [i for i, (a, b) in enumerate(zip(ours, hf_greedy)) if a != b]
     assert not mismatches, f"{tier}: prompts {mismatches} differ"
 
