@@ -146,6 +146,17 @@ static void widen_block(const uint16_t *w, int count, float *out) {
     for (; i < count; ++i) out[i] = _cvtsh_ss(w[i]);
 }
 
+/* Outputs in panel p of n (16, or fewer in the last). */
+static inline int panel_width(int n, int p) { return n - p * NR < NR ? n - p * NR : NR; }
+
+/* The panel whose block a thread reads after panel p's, to prefetch (gemm's NOTE): its next panel,
+ * or with fp16 panels (widened at every row block) its first panel p0 when more rows follow; with
+ * fp32 panels only in the first row block (later ones come from the L3). -1: none. */
+static inline int next_panel(int p, int p0, int p1, int half, int first_rows, int more_rows) {
+    if (!half && !first_rows) return -1;
+    return p + 1 < p1 ? p + 1 : half && more_rows ? p0 : -1;
+}
+
 /* The GEMM over fp32 panels (half = 0) or fp16 panels (half = 1: each panel's k block widened into a
  * per-thread buffer once per row block, then used by every micro tile of it).
  * NOTE: why each panel prefetches the next. A thread reads its panels' k blocks one after another,
@@ -176,7 +187,7 @@ static int gemm(const float *x, int64_t ldx, const void *packed, int half, const
             for (int r0 = 0; r0 < m; r0 += MC) {
                 const int r1 = m - r0 < MC ? m : r0 + MC;
                 for (int p = p0; p < p1; ++p) {
-                    const int nc = n - p * NR < NR ? n - p * NR : NR;
+                    const int nc = panel_width(n, p);
                     const int64_t at = (int64_t)p * NR * k + (int64_t)k0 * nc;   /* the block's first weight */
                     const float *w;
                     if (half) {
@@ -186,14 +197,10 @@ static int gemm(const float *x, int64_t ldx, const void *packed, int half, const
                         w = (const float *)packed + at;
                     }
                     /* the block this thread reads next, into the L2 while this one computes (NOTE above) */
-                    const int q = p + 1 < p1 ? p + 1 : half && r1 < m ? p0 : -1;
-                    const char *pf = NULL;
-                    int64_t pf_step = 0;
-                    if (q >= 0 && (half || r0 == 0)) {
-                        const int nq = n - q * NR < NR ? n - q * NR : NR;
-                        pf_step = (int64_t)nq * (half ? 2 : 4);
-                        pf = (const char *)packed + ((int64_t)q * NR * k + (int64_t)k0 * nq) * (half ? 2 : 4);
-                    }
+                    const int q = next_panel(p, p0, p1, half, r0 == 0, r1 < m);
+                    const int64_t elem = half ? 2 : 4, nq = q < 0 ? 0 : panel_width(n, q);
+                    const char *pf = q < 0 ? NULL : (const char *)packed + ((int64_t)q * NR * k + (int64_t)k0 * nq) * elem;
+                    const int64_t pf_step = nq * elem;
                     panel_rows(nc == NR, nc, r0, r1, k0, kc, x, ldx, w, y + p * NR, ldy, bias ? bias + p * NR : NULL,
                                pf, pf_step);
                 }
@@ -249,14 +256,14 @@ static int gemm_gated(const float *x, int64_t ldx, const void *packed, int half,
             const float *xr = x + (int64_t)r0 * ldx;
             float *yr = y + (int64_t)r0 * ldy;
             for (int p = p0; p < p1; ++p) {
-                const int nc = inter - p * NR < NR ? inter - p * NR : NR, whole = nc == NR;
+                const int nc = panel_width(inter, p), whole = nc == NR;
                 const char *gate = (const char *)packed + (int64_t)p * 2 * NR * k * elem;  /* pair p */
                 const char *up = gate + (int64_t)nc * k * elem;
                 /* what the tiles prefetch: the up panel during the gate's, the next pair's gate (or, fp16,
                    the thread's first pair's at the next row block) during the up's */
-                const int q = p + 1 < p1 ? p + 1 : half && r0 + rows < m ? p0 : -1;
-                const int nq = q < 0 ? 0 : inter - q * NR < NR ? inter - q * NR : NR;
-                const char *next = q >= 0 && (half || r0 == 0) ? (const char *)packed + (int64_t)q * 2 * NR * k * elem : NULL;
+                const int q = next_panel(p, p0, p1, half, r0 == 0, r0 + rows < m);
+                const int nq = q < 0 ? 0 : panel_width(inter, q);
+                const char *next = q < 0 ? NULL : (const char *)packed + (int64_t)q * 2 * NR * k * elem;
                 const float *w = (const float *)gate;
                 if (half) {
                     widen_block((const uint16_t *)gate, k * nc, wide);
