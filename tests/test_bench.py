@@ -460,3 +460,23 @@ def test_native_compile_is_reported_only_by_the_start_up_that_did_it():
     later = native_load(native, 120.0)
     assert later == {"native_kernels_s": 0.0, "native_kernels_compiled": False}
     assert CompileTimes(**later).describe() == "native C kernels 0.0 s (reused build)"
+
+
+@pytest.mark.parametrize("kernel", ["fp16", "q8_0", "gated"])
+def test_gemm_builds_script_races_the_gemms(kernel):
+    # Against this build's own library both sides compute the same outputs; the gated GEMM equals the
+    # plain GEMM followed by the SiLU-and-mul op bit for bit.
+    import subprocess
+    import sys
+    from pathlib import Path
+    from vbatch.kernels import cpu_features, cpu_native
+    native = cpu_native.load(cpu_features.selected_tier())
+    if native is None or not native.has_gemm:
+        pytest.skip("this tier's native build has no GEMM (cpu_gemm.c needs AVX2 and FMA)")
+    script = Path(__file__).resolve().parents[1] / "bench" / "gemm_builds.py"
+    against = [] if kernel == "gated" else ["--against", str(native.path)]
+    done = subprocess.run([sys.executable, str(script), "--kernel", kernel, "--rows", "5,70", "--layers", "2",
+                           "--rounds", "2", "--threads", "1", *against], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if " rows: " in line]
+    assert len(lines) == 2 and all(line.endswith("outputs identical: True") for line in lines), done.stdout

@@ -1,0 +1,138 @@
+"""vbatch's own GEMMs (cpu_gemm.c, cpu_gemm_q8.c) of this build against another build's, in one process.
+
+    python bench/gemm_builds.py --against OTHER/libvbatch_cpu.so [--kernel fp16|fp32|q8_0]
+                                [--rows 16,64,256,2048] [--layers 30] [--rounds 9] [--threads 2] [--tier avx2]
+    python bench/gemm_builds.py --kernel gated [--rows ...]
+
+Multiplies --layers layers' worth of SmolLM2-135M's four linear shapes ([960, 576] qkv, [576, 576]
+o_proj, [3072, 576] gate/up, [576, 1536] down; random weights, each layer its own, so the weights
+stream from memory as in a model step) by the same activations, through the entry point of
+--kernel in this build and in --against's (another commit's $VBATCH_CACHE/kernels/<key>/
+libvbatch_cpu.so, built by running anything of that checkout once; it must take this build's
+arguments), rounds alternating, and prints per row count each build's GFLOP/s (median round), the
+median of the per-round time ratios and whether the outputs are identical. Without --against it
+times this build alone. --kernel gated races this build's gated GEMM (silu(gate) * up in its
+epilogue) against its plain GEMM over the same fp16 weights followed by the SiLU-and-mul op, on
+the gate/up shape only; the outputs must be equal bit for bit. The machine is noisy: this is the
+way to compare two kernels (docs/performance/avx2-on-zen4.md, session 27). Run it in its own
+high-priority session on a shared machine (REFERENCE 8):
+    setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/gemm_builds.py
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [out, in] of one SmolLM2 layer
+ENTRY = {"fp16": "vb_gemm_f16_f32", "fp32": "vb_gemm_f32", "q8_0": "vb_gemm_q8_f32"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=(*ENTRY, "gated"), default="fp16")
+    ap.add_argument("--against", default=None, help="another build's libvbatch_cpu.so, timed alternately")
+    ap.add_argument("--rows", default="16,64,256,2048")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tier", default=None, help="a native tier this CPU runs (default: its best)")
+    args = ap.parse_args()
+
+    import torch
+
+    from vbatch.kernels import cpu_features, cpu_native, cpu_q8_0_linear, gemm_libraries, q8_0
+
+    tier = cpu_features.tier_named(args.tier) if args.tier else cpu_features.selected_tier()
+    native = cpu_native.load(tier)
+    if native is None or not native.has_gemm:
+        raise SystemExit(f"the {tier.name} native build has no GEMM (cpu_gemm.c needs AVX2 and FMA)")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    generator = torch.Generator().manual_seed(0)
+    shapes = SHAPES[2:3] if args.kernel == "gated" else SHAPES
+
+    def weights(n: int, k: int) -> torch.Tensor:
+        w = torch.randn(n, k, generator=generator) * 0.05
+        if args.kernel == "q8_0":
+            return cpu_q8_0_linear.pack_panels(q8_0.quantize(w), k)
+        if args.kernel == "gated":
+            half = w.half()
+            return torch.stack([gemm_libraries.pack_panels(half), gemm_libraries.pack_gated_panels(half[:n // 2],
+                                                                                                    half[n // 2:])])
+        return gemm_libraries.pack_panels(w.half() if args.kernel == "fp16" else w)
+
+    layers = [[weights(n, k) for n, k in shapes] for _ in range(args.layers)]
+
+    def bind(library: ctypes.CDLL, name: str, extra: int):
+        fn = getattr(library, name)
+        fn.argtypes, fn.restype = [p, i64, p, p, p, i64, i32, i32, i32, *[i32] * extra, i32], i32
+        return fn
+
+    if args.kernel == "gated":
+        plain, gated = bind(native.library, "vb_gemm_f16_f32", 0), bind(native.library, "vb_gemm_gated_f16_f32", 1)
+        n, k = shapes[0]
+
+        def gemm_then_op(x, ys):
+            for (w,), y in zip(layers, ys):
+                both = torch.empty(x.shape[0], n)
+                assert plain(x.data_ptr(), k, w[0].data_ptr(), None, both.data_ptr(), n, x.shape[0], n, k,
+                             args.threads) == 0
+                y.copy_(native.silu_and_mul(both, args.threads))
+
+        def one_gemm(x, ys):
+            for (w,), y in zip(layers, ys):
+                assert gated(x.data_ptr(), k, w[1].data_ptr(), None, y.data_ptr(), n // 2, x.shape[0], n // 2, k, 1,
+                             args.threads) == 0
+
+        builds = {"gated GEMM": one_gemm, "GEMM + op": gemm_then_op}
+        out_width = [n // 2]
+    else:
+        libraries = {"this build": native.library}
+        if args.against:
+            libraries["--against"] = ctypes.CDLL(args.against)
+        extra = 1 if args.kernel == "q8_0" else 0
+        fns = {label: bind(lib, ENTRY[args.kernel], extra) for label, lib in libraries.items()}
+
+        def runner(fn):
+            def run(x_by_shape, ys):
+                for layer in layers:
+                    for (n, k), w, x, y in zip(shapes, layer, x_by_shape, ys):
+                        vnni = (0,) if extra else ()
+                        assert fn(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, x.shape[0], n, k, *vnni,
+                                  args.threads) == 0
+            return run
+
+        builds = {label: runner(fn) for label, fn in fns.items()}
+        out_width = [n for n, _ in shapes]
+
+    print(f"{tier.name} build, {args.kernel} GEMM, {args.layers} layers of SmolLM2-135M's "
+          f"{'gate/up' if args.kernel == 'gated' else 'four linears'}, {args.threads} thread(s), "
+          f"{args.rounds} alternating rounds")
+    for m in map(int, args.rows.split(",")):
+        xs = [torch.randn(m, k, generator=generator) for _, k in shapes]
+        x_arg = xs[0] if args.kernel == "gated" else xs
+        outs = {label: [torch.empty(m, w) for w in out_width] * (len(layers) if args.kernel == "gated" else 1)
+                for label in builds}
+        times: dict[str, list[float]] = {label: [] for label in builds}
+        for label, run in builds.items():
+            run(x_arg, outs[label])  # warm-up
+        for r in range(args.rounds):
+            for label in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
+                t = time.perf_counter()
+                builds[label](x_arg, outs[label])
+                times[label].append(time.perf_counter() - t)
+        flops = args.layers * sum(2 * m * n * k for n, k in shapes)
+        first = next(iter(builds))
+        cells = [f"{label} {flops / statistics.median(ts) / 1e9:.1f} GFLOP/s" for label, ts in times.items()]
+        line = f"{m:6d} rows: " + ", ".join(cells)
+        if len(builds) == 2:
+            other = list(builds)[1]
+            ratio = statistics.median(b / a for a, b in zip(times[first], times[other]))
+            same = all(torch.equal(a, b) for a, b in zip(outs[first], outs[other]))
+            line += f"; {first} speed / {other}: median {ratio:.3f}x; outputs identical: {same}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
