@@ -114,6 +114,7 @@ static inline __attribute__((always_inline)) void block_scores(
 }
 
 #include "vb_attention_tiled.h"
+#include "vb_attention_tiled8.h"
 #include "vb_attention_spans.h"
 
 /* One work item. NV (= head_dim / VL) and G are compile-time constants in the specialised copies
@@ -233,15 +234,21 @@ static AttendFn pick_tiled(int head_dim, int block_size) {  /* inside attend_ite
 }
 #else
 /* The FMA tiled path is specialised on head_dim only (the group is a loop bound there): 18 copies
- * of it cost the AVX2 build 20 s of compile time for nothing measurable. */
+ * of it cost the AVX2 build 20 s of compile time for nothing measurable. On 8 lanes with FMA it is
+ * vb_attention_tiled8.h's micro tiles. */
+#if HAVE_TILED8
+#define attend_rows_tiled_any attend_rows_tiled8
+#else
+#define attend_rows_tiled_any attend_rows_tiled_fma
+#endif
 #define SPECIALISE_TILED(DIM) \
     static void attend_tiled_##DIM(const Problem *p, const Item *it, Scratch *sc) { \
-        attend_rows_tiled_fma(p, it, sc, DIM / VL, p->num_q_heads / p->num_kv_heads); }
+        attend_rows_tiled_any(p, it, sc, DIM / VL, p->num_q_heads / p->num_kv_heads); }
 SPECIALISE_TILED(64)
 SPECIALISE_TILED(128)
 
 static void attend_tiled_generic(const Problem *p, const Item *it, Scratch *sc) {
-    attend_rows_tiled_fma(p, it, sc, p->head_dim / VL, p->num_q_heads / p->num_kv_heads);
+    attend_rows_tiled_any(p, it, sc, p->head_dim / VL, p->num_q_heads / p->num_kv_heads);
 }
 
 static AttendFn pick_tiled(int head_dim, int block_size) {  /* items of >= TILED_MIN_ROWS rows */
