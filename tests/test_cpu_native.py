@@ -53,7 +53,9 @@ CASES = {**CASES,
          # decode rows over hundreds of positions and many blocks (the longest above: 90 positions)
          "long_decodes": ([300, 530, 255, 256], [1, 1, 1, 1], 16),
          "long_decodes_block_8": ([520, 3], [1, 2], 8),
-         "long_decodes_block_512": ([700, 1100], [1, 1], 512)}
+         "long_decodes_block_512": ([700, 1100], [1, 1], 512),
+         # blocks of a size not a multiple of 4: the narrow decode path's quads of keys may cross them
+         "decodes_block_6": ([37, 70, 2], [1, 1, 1], 6)}
 # (head_dim, query heads per kv head): the specialised copies (64/128 x 1-8), the generic one
 # (96, 12 > 8) and odd numbers of 16-lane vectors (48, 16; the bf16 AVX-512 build then uses fp32 q.k).
 SHAPES = [(64, 3), (64, 7), (128, 2), (32, 1), (96, 12), (48, 3), (16, 2)]

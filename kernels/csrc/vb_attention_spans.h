@@ -50,28 +50,46 @@ static inline void prefetch_row(const kv_t *cache, const ItemView *iv, int block
 }
 
 /* scores[g][o] (g < GG, o < n) = scale q_g . k_o for the span's n positions: four positions and GG query
- * heads at a time, each key vector loaded once for all of them (q read from L1), the 4 x GG dot
- * products independent FMA chains, summed by transposing trees. */
+ * heads at a time, 4 x GG dot products as independent FMA chains, summed by transposing trees. Per
+ * VL dims the GG query vectors are loaded once for the four keys (12 accumulators, 3 q vectors and
+ * a key: all 16 ymm registers), and a quad's rows are one address apart by the row stride (a quad
+ * never crosses a block when the block size is a multiple of 4), so one block-table lookup serves it. */
 static inline __attribute__((always_inline)) void span_scores(
         const Problem *p, const ItemView *iv, const act_t *q /* [GG, D] */, int s0, int n, int h, int block_shift,
         int prefetch_len /* prefetch keys SPAN_PREFETCH ahead below this position; 0: none */,
         float *scores /* [GG, SPAN] */, const int NV, const int GG) {
     const int D = NV * VL;
+    const int quads = p->block_size % 4 == 0;   /* whole quads lie in one block */
     for (int o0 = 0; o0 < n; o0 += 4) {
         const kv_t *krow[4];
-        for (int j = 0; j < 4; ++j) {
-            krow[j] = cache_row(p->key_cache, iv, p->block_size, block_shift, s0 + (o0 + j < n ? o0 + j : o0), h, D);
-            prefetch_row(p->key_cache, iv, p->block_size, block_shift, s0 + o0 + j + SPAN_PREFETCH, prefetch_len, h, D);
+        if (quads && o0 + 4 <= n) {
+            krow[0] = cache_row(p->key_cache, iv, p->block_size, block_shift, s0 + o0, h, D);
+            for (int j = 1; j < 4; ++j) krow[j] = krow[0] + j * iv->row_stride;
+        } else {
+            for (int j = 0; j < 4; ++j)   /* the span's last positions: rows past n repeat o0's */
+                krow[j] = cache_row(p->key_cache, iv, p->block_size, block_shift, s0 + (o0 + j < n ? o0 + j : o0), h, D);
+        }
+        const int ahead = s0 + o0 + SPAN_PREFETCH;
+        if (quads && ahead + 3 < prefetch_len) {
+            const char *row = (const char *)cache_row(p->key_cache, iv, p->block_size, block_shift, ahead, h, D);
+            for (int j = 0; j < 4; ++j, row += iv->row_stride * (int64_t)sizeof(kv_t))
+                for (int b = 0; b < D * (int)sizeof(kv_t); b += 64) __builtin_prefetch(row + b, 0, PREFETCH_HINT);
+        } else {
+            for (int j = 0; j < 4; ++j)
+                prefetch_row(p->key_cache, iv, p->block_size, block_shift, ahead + j, prefetch_len, h, D);
         }
         vf dot[SCORE_HEADS][4];
         for (int g = 0; g < GG; ++g)
             for (int j = 0; j < 4; ++j) dot[g][j] = splat(0.0f);
 #pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c)
+        for (int c = 0; c < NV; ++c) {
+            vf qc[SCORE_HEADS];
+            for (int g = 0; g < GG; ++g) qc[g] = load_act(q + g * D + VL * c);
             for (int j = 0; j < 4; ++j) {
                 const vf k = load_kv(krow[j] + VL * c);
-                for (int g = 0; g < GG; ++g) dot[g][j] += load_act(q + g * D + VL * c) * k;
+                for (int g = 0; g < GG; ++g) dot[g][j] += qc[g] * k;
             }
+        }
         for (int g = 0; g < GG; ++g) {
             const vf quad = hsum4(dot[g][0], dot[g][1], dot[g][2], dot[g][3]) * p->scale;
 #if VL == 8  /* the two 128-bit halves hold partial sums over dims 0-3 and 4-7 of each 8: one vector add
