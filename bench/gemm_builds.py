@@ -2,7 +2,7 @@
 
     python bench/gemm_builds.py --against OTHER/libvbatch_cpu.so [--kernel fp16|fp32|q8_0]
                                 [--rows 16,64,256,2048] [--layers 30] [--rounds 9] [--threads 2] [--tier avx2]
-    python bench/gemm_builds.py --kernel gated [--rows ...]
+    python bench/gemm_builds.py --kernel gated|gated-q8_0 [--rows ...]
 
 Multiplies --layers layers' worth of SmolLM2-135M's four linear shapes ([960, 576] qkv, [576, 576]
 o_proj, [3072, 576] gate/up, [576, 1536] down; random weights, each layer its own, so the weights
@@ -13,7 +13,9 @@ arguments), rounds alternating, and prints per row count each build's GFLOP/s (m
 median of the per-round time ratios and whether the outputs are identical. Without --against it
 times this build alone. --kernel gated races this build's gated GEMM (silu(gate) * up in its
 epilogue) against its plain GEMM over the same fp16 weights followed by the SiLU-and-mul op, on
-the gate/up shape only; the outputs must be equal bit for bit. The machine is noisy: this is the
+the gate/up shape only; --kernel gated-q8_0 the same for the integer Q8_0 GEMM (cpu_gemm_q8.c
+vb_gemm_q8_gated against vb_gemm_q8 + the op, Q8_0 of the same random weights, without AVX-VNNI);
+the outputs must be equal bit for bit. The machine is noisy: this is the
 way to compare two kernels (docs/performance/avx2-on-zen4.md, session 27). Run it in its own
 high-priority session on a shared machine (REFERENCE 8):
     setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/gemm_builds.py
@@ -27,11 +29,14 @@ import time
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [out, in] of one SmolLM2 layer
 ENTRY = {"fp16": "vb_gemm_f16_f32", "fp32": "vb_gemm_f32", "q8_0": "vb_gemm_q8_f32"}
+# the gated races: (the plain GEMM, its int arguments after k), (the gated GEMM, the same): fuse = 1; vnni = 0
+GATED = {"gated": (("vb_gemm_f16_f32", ()), ("vb_gemm_gated_f16_f32", (1,))),
+         "gated-q8_0": (("vb_gemm_q8_f32", (0,)), ("vb_gemm_q8_gated_f32", (0,)))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=(*ENTRY, "gated"), default="fp16")
+    ap.add_argument("--kernel", choices=(*ENTRY, *GATED), default="fp16")
     ap.add_argument("--against", default=None, help="another build's libvbatch_cpu.so, timed alternately")
     ap.add_argument("--rows", default="16,64,256,2048")
     ap.add_argument("--layers", type=int, default=30)
@@ -50,11 +55,12 @@ def main() -> None:
         raise SystemExit(f"the {tier.name} native build has no GEMM (cpu_gemm.c needs AVX2 and FMA)")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     generator = torch.Generator().manual_seed(0)
-    shapes = SHAPES[2:3] if args.kernel == "gated" else SHAPES
+    gated_kernel = args.kernel in GATED
+    shapes = SHAPES[2:3] if gated_kernel else SHAPES
 
     def weights(n: int, k: int) -> torch.Tensor:
         w = torch.randn(n, k, generator=generator) * 0.05
-        if args.kernel == "q8_0":
+        if args.kernel in ("q8_0", "gated-q8_0"):   # gated: the merged [gate; up] weight, as the model packs it
             return cpu_q8_0_linear.pack_panels(q8_0.quantize(w), k)
         if args.kernel == "gated":
             half = w.half()
@@ -69,21 +75,28 @@ def main() -> None:
         fn.argtypes, fn.restype = [p, i64, p, p, p, i64, i32, i32, i32, *[i32] * extra, i32], i32
         return fn
 
-    if args.kernel == "gated":
-        plain, gated = bind(native.library, "vb_gemm_f16_f32", 0), bind(native.library, "vb_gemm_gated_f16_f32", 1)
+    if gated_kernel:
+        (plain_name, plain_extra), (gated_name, gated_extra) = GATED[args.kernel]
+        plain = bind(native.library, plain_name, len(plain_extra))
+        gated = bind(native.library, gated_name, len(gated_extra))
         n, k = shapes[0]
+        fp16 = args.kernel == "gated"   # fp16: [plain panels, gated pairs] stacked; Q8_0: one merged packing
 
+        # each side allocates its outputs per call, as the engine's layers do (cpu_native.gemm_q8_0,
+        # gemm_gated, silu_and_mul), and the op's result is kept as it is, not copied
         def gemm_then_op(x, ys):
-            for (w,), y in zip(layers, ys):
+            for i, (w,) in enumerate(layers):
                 both = torch.empty(x.shape[0], n)
-                assert plain(x.data_ptr(), k, w[0].data_ptr(), None, both.data_ptr(), n, x.shape[0], n, k,
-                             args.threads) == 0
-                y.copy_(native.silu_and_mul(both, args.threads))
+                assert plain(x.data_ptr(), k, (w[0] if fp16 else w).data_ptr(), None, both.data_ptr(), n,
+                             x.shape[0], n, k, *plain_extra, args.threads) == 0
+                ys[i] = native.silu_and_mul(both, args.threads)
 
         def one_gemm(x, ys):
-            for (w,), y in zip(layers, ys):
-                assert gated(x.data_ptr(), k, w[1].data_ptr(), None, y.data_ptr(), n // 2, x.shape[0], n // 2, k, 1,
-                             args.threads) == 0
+            for i, (w,) in enumerate(layers):
+                y = torch.empty(x.shape[0], n // 2)
+                assert gated(x.data_ptr(), k, (w[1] if fp16 else w).data_ptr(), None, y.data_ptr(), n // 2,
+                             x.shape[0], n // 2, k, *gated_extra, args.threads) == 0
+                ys[i] = y
 
         builds = {"gated GEMM": one_gemm, "GEMM + op": gemm_then_op}
         out_width = [n // 2]
@@ -107,12 +120,12 @@ def main() -> None:
         out_width = [n for n, _ in shapes]
 
     print(f"{tier.name} build, {args.kernel} GEMM, {args.layers} layers of SmolLM2-135M's "
-          f"{'gate/up' if args.kernel == 'gated' else 'four linears'}, {args.threads} thread(s), "
+          f"{'gate/up' if gated_kernel else 'four linears'}, {args.threads} thread(s), "
           f"{args.rounds} alternating rounds")
     for m in map(int, args.rows.split(",")):
         xs = [torch.randn(m, k, generator=generator) for _, k in shapes]
-        x_arg = xs[0] if args.kernel == "gated" else xs
-        outs = {label: [torch.empty(m, w) for w in out_width] * (len(layers) if args.kernel == "gated" else 1)
+        x_arg = xs[0] if gated_kernel else xs
+        outs = {label: [torch.empty(m, w) for w in out_width] * (len(layers) if gated_kernel else 1)
                 for label in builds}
         times: dict[str, list[float]] = {label: [] for label in builds}
         for label, run in builds.items():

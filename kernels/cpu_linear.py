@@ -258,7 +258,8 @@ def pack_gate_up(linear: nn.Linear, native=None, weight_dtype: torch.dtype | Non
     avx2 tier); otherwise for fp32 one plain packed GEMM (the model then applies the op's
     SiLU-and-mul), because oneDNN's fp32 post-ops ran slower than the GEMM plus the native op on Zen 3
     (2 threads, 576 -> 2 x 1536: 256 rows 8.8 vs 6.3 ms, 2,048 rows 59 vs 48, 8,192 rows 264 vs 241),
-    and for Q8_0 weights (their own GEMMs: pack_linear). Any other dtype, or no oneDNN: the plain module."""
+    and for Q8_0 weights their own GEMMs (pack_linear), gated in one integer GEMM where they multiply in
+    integers (cpu_q8_0_linear.PackedQ8_0GateUp). Any other dtype, or no oneDNN: the plain module."""
     dtype = linear.weight.dtype
     if not can_pack(dtype):
         return linear
@@ -266,21 +267,24 @@ def pack_gate_up(linear: nn.Linear, native=None, weight_dtype: torch.dtype | Non
         if gemm_backend(dtype, None if native is None else native.tier).gated is not None:
             return PackedGateUp(linear, native=native, weight_dtype=weight_dtype)
     if dtype != torch.bfloat16:
-        return pack_linear(linear, native=native, weight_dtype=weight_dtype, quantization=quantization)
+        return pack_linear(linear, native=native, weight_dtype=weight_dtype, quantization=quantization, gate_up=True)
     return PackedGateUp(linear, native=native, weight_dtype=weight_dtype)
 
 
 def pack_linear(linear: nn.Linear, native=None, weight_dtype: torch.dtype | None = None,
-                quantization: str | None = None) -> nn.Module:
+                quantization: str | None = None, gate_up: bool = False) -> nn.Module:
     """The packed twin of `linear`, its weights stored in `weight_dtype` (default: its own) or as
     `quantization` ("q8_0", fp32 models), the small-rows kernel of `native` (NativeKernels) for its
     `small_rows` rows where it has one. Q8_0 layers multiply 5+ rows in integers
-    (kernels/cpu_q8_0_linear.py) where `gemm_choice` says so."""
+    (kernels/cpu_q8_0_linear.py) where `gemm_choice` says so; `gate_up` (a gated MLP's merged
+    projection) then also with SiLU-and-mul in the GEMM (PackedQ8_0GateUp) where its halves fit."""
     if not can_pack(linear.weight.dtype):
         return linear
     if quantization == q8_0.NAME and q8_0.can_quantize(linear.in_features):
         from . import cpu_q8_0_linear
         choice = cpu_q8_0_linear.gemm_choice(native)
         if choice != "float":
-            return cpu_q8_0_linear.PackedQ8_0Linear(linear, native=native, vnni=choice == "integer-vnni")
+            gated = gate_up and cpu_q8_0_linear.PackedQ8_0GateUp.fits(linear)
+            layer = cpu_q8_0_linear.PackedQ8_0GateUp if gated else cpu_q8_0_linear.PackedQ8_0Linear
+            return layer(linear, native=native, vnni=choice == "integer-vnni")
     return PackedLinear(linear, native=native, weight_dtype=weight_dtype, quantization=quantization)

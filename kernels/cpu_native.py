@@ -40,7 +40,7 @@ _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, mo
            2: "out of memory for scratch buffers"}
 
 
-_Q8_GEMM_ERRORS = {2: "input width not a multiple of 32", 3: "out of memory for the rounded rows",
+_Q8_GEMM_ERRORS = {2: "input width not a multiple of 32", 3: "out of memory for the rounded rows or its buffers",
                    4: "AVX-VNNI asked for on a CPU without avx_vnni, or a build whose assembler lacked it"}
 
 
@@ -179,23 +179,26 @@ class NativeKernels:
         return self._probes["gemm"]
 
     def gemm_q8_0(self, rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                  vnni: bool, num_threads: int) -> torch.Tensor | None:
+                  vnni: bool, num_threads: int, gated: bool = False) -> torch.Tensor | None:
         """rows [M, K] fp32 (unit column stride) times Q8_0 weights packed by cpu_q8_0_linear.pack_panels
         (int16 [panels x 17, K]; cpu_gemm_q8.c), plus bias [out] -> [M, out] fp32, in integer
         arithmetic (rows rounded to int16, one scale per row); `vnni`: with AVX-VNNI (the CPU must
-        have avx_vnni). None: this build has no such GEMM (it needs AVX2 and FMA)."""
+        have avx_vnni). `gated`: the weight is a gated MLP's merged [gate; up] projection (out = 2 x
+        inter, inter a multiple of 16) and the result silu(gate) * up [M, inter] (vb_silu_and_mul's
+        formula, in the GEMM's epilogue). None: this build has no such GEMM (it needs AVX2 and FMA)."""
         k = packed.shape[1]
         assert rows.dtype == torch.float32 and packed.dtype == torch.int16 and packed.is_contiguous()
         assert rows.shape[1] == k and packed.shape[0] * 16 == -(-out_features // 16) * 16 * 17
+        assert not gated or out_features % 32 == 0
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         if bias is not None:
             assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (out_features,)
-        out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-        rc = self._fn("vb_gemm_q8", torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                                                    None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                                    out_features, rows.shape[0], out_features, k, int(vnni),
-                                                    num_threads)
+        width = out_features // 2 if gated else out_features
+        out = torch.empty(rows.shape[0], width, dtype=torch.float32)
+        rc = self._fn("vb_gemm_q8_gated" if gated else "vb_gemm_q8", torch.float32)(
+            rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), width, rows.shape[0], width, k, int(vnni), num_threads)
         if rc == 1:
             return None
         if rc != 0:
@@ -369,6 +372,7 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_gemm_gated": ([p, i64, p, p, p, i64, i32, i32, i32, i32, i32], ctypes.c_int),
         "vb_gemm_gated_f16": ([p, i64, p, p, p, i64, i32, i32, i32, i32, i32], ctypes.c_int),
         "vb_gemm_q8": ([p, i64, p, p, p, i64, i32, i32, i32, i32, i32], ctypes.c_int),
+        "vb_gemm_q8_gated": ([p, i64, p, p, p, i64, i32, i32, i32, i32, i32], ctypes.c_int),
         "vb_fma_width": ([], ctypes.c_int),
         "vb_vector_lanes": ([], ctypes.c_int),
     }

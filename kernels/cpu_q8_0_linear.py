@@ -3,6 +3,7 @@
     gemm_choice(native) -> "integer-vnni" | "integer" | "float"   how this CPU's Q8_0 layers multiply 5+ rows
     pack_panels(stored, in_features) -> int16 [panels * 17, in]    a Q8_0 weight in the kernel's layout
     PackedQ8_0Linear(linear, native=, vnni=)                       nn.Linear's contract, Q8_0 weights
+    PackedQ8_0GateUp(linear, native=, vnni=)                       a merged gate/up projection, with silu_and_mul
 
 A model loaded with `quantization="q8_0"` (kernels/q8_0.py) streams its Q8_0 bytes through the
 small-rows kernel for 1-4 rows here, up to the tier's `small_rows_wider` with the "float" GEMM
@@ -119,3 +120,29 @@ class PackedQ8_0Linear(PackedLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"gemm={self.gemm_name}, weights=q8_0")
+
+
+class PackedQ8_0GateUp(PackedQ8_0Linear):
+    """A gated MLP's merged [gate; up] projection over Q8_0 weights, with `silu_and_mul(x)` ==
+    `silu_and_mul(self(x))` in one call: 1-4 rows the small-rows kernel then the native op (exactly
+    the separate ops, as the fused decoder layer computes them), 5+ rows one integer GEMM with
+    SiLU-and-mul in its epilogue (cpu_gemm_q8.c vb_gemm_q8_gated: the [rows, 2 * inter] product is
+    never written out; it equals the GEMM followed by the native op bit for bit). Needs inter a
+    multiple of the 16-output panel (`fits`)."""
+
+    @staticmethod
+    def fits(linear: nn.Linear) -> bool:
+        return linear.out_features % (2 * PANEL) == 0
+
+    def __init__(self, linear: nn.Linear, *, native, vnni: bool) -> None:
+        assert self.fits(linear)
+        super().__init__(linear, native=native, vnni=vnni)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., inter]
+        small = self._small(x)
+        if small is not None:
+            return self.native.silu_and_mul(small, torch.get_num_threads())
+        rows = x.reshape(-1, self.in_features)
+        out = self.native.gemm_q8_0(rows, self.packed_weight, self.bias, self.out_features, self.vnni,
+                                    torch.get_num_threads(), gated=True)
+        return out.view(*x.shape[:-1], self.out_features // 2)

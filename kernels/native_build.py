@@ -47,7 +47,8 @@ SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_linear_small.c", CSRC / "
            CSRC / "cpu_read_probe.c", CSRC / "cpu_fma_probe.c", CSRC / "cpu_gemm.c", CSRC / "cpu_gemm_q8.c",
            CSRC / "cpu_decode_steps.c")
 HEADERS = (CSRC / "vb_simd.h", CSRC / "vb_act.h", CSRC / "vb_kernels.h", CSRC / "vb_attention.h",
-           CSRC / "vb_attention_tiled.h", CSRC / "vb_attention_tiled8.h", CSRC / "vb_attention_spans.h", CSRC / "vb_blocking.h")
+           CSRC / "vb_attention_tiled.h", CSRC / "vb_attention_tiled8.h", CSRC / "vb_attention_spans.h", CSRC / "vb_blocking.h",
+           CSRC / "vb_silu_mul.h")
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-ffp-contract=fast",
          "-Wall", "-Wno-psabi")
 # (activation dtype, KV-cache dtype): the variants the sources are compiled for (vb_act.h), with

@@ -462,9 +462,9 @@ def test_native_compile_is_reported_only_by_the_start_up_that_did_it():
     assert CompileTimes(**later).describe() == "native C kernels 0.0 s (reused build)"
 
 
-@pytest.mark.parametrize("kernel", ["fp16", "q8_0", "gated"])
+@pytest.mark.parametrize("kernel", ["fp16", "q8_0", "gated", "gated-q8_0"])
 def test_gemm_builds_script_races_the_gemms(kernel):
-    # Against this build's own library both sides compute the same outputs; the gated GEMM equals the
+    # Against this build's own library both sides compute the same outputs; the gated GEMMs equal the
     # plain GEMM followed by the SiLU-and-mul op bit for bit.
     import subprocess
     import sys
@@ -474,7 +474,7 @@ def test_gemm_builds_script_races_the_gemms(kernel):
     if native is None or not native.has_gemm:
         pytest.skip("this tier's native build has no GEMM (cpu_gemm.c needs AVX2 and FMA)")
     script = Path(__file__).resolve().parents[1] / "bench" / "gemm_builds.py"
-    against = [] if kernel == "gated" else ["--against", str(native.path)]
+    against = [] if kernel.startswith("gated") else ["--against", str(native.path)]
     done = subprocess.run([sys.executable, str(script), "--kernel", kernel, "--rows", "5,70", "--layers", "2",
                            "--rounds", "2", "--threads", "1", *against], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -160,6 +160,58 @@ def test_packed_q8_0_linear_takes_the_small_rows_kernel_then_the_integer_gemm(na
     assert "vbatch integer Q8_0" in repr(layer) and layer.gemm_name.startswith("vbatch integer Q8_0")
 
 
+GATED_SHAPES = [  # (rows, inter, K): rows past the 6-row tile and the 96-row block, K in 2-3 k blocks
+    (1, 16, 32), (5, 16, 64), (7, 48, 96), (13, 32, 576), (97, 80, 576), (191, 16, 800), (9, 32, 2400),
+    (3, 16, 4704), (11, 16, 9440), (0, 16, 32)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape", GATED_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in GATED_SHAPES])
+def test_q8_0_gated_gemm_equals_the_gemm_then_silu_and_mul(native, shape, threads):
+    """The gated GEMM over a merged [gate; up] Q8_0 weight: its own plain GEMM put through the native
+    SiLU-and-mul op, bit for bit (the same tiles and k blocks, the op's formula lane for lane), and
+    silu(gate) * up from the integer arithmetic in float64 within fp32 rounding. 3 threads over one
+    gate panel leave two threads without one."""
+    gemm = _gemm(native)
+    m, inter, k = shape
+    g = torch.Generator().manual_seed(m * 7919 + inter * 31 + k)
+    stored = q8_0.quantize(torch.randn(2 * inter, k, generator=g) * 0.05)
+    bias = torch.randn(2 * inter, generator=g)
+    x = torch.randn(m, k + 3, generator=g)[:, 1:k + 1]        # rows k + 3 floats apart
+    packed = cpu_q8_0_linear.pack_panels(stored, k)
+    for b in (None, bias):
+        fused = gemm(x, packed, b, 2 * inter, False, threads, gated=True)
+        assert fused.shape == (m, inter) and fused.dtype == torch.float32
+        both = gemm(x, packed, b, 2 * inter, False, threads)
+        assert torch.equal(fused, native.silu_and_mul(both, threads))
+        if m:
+            want = reference(x, stored, k, b)
+            exact = want[:, :inter] * torch.sigmoid(want[:, :inter]) * want[:, inter:]
+            weights = q8_0.dequantize(stored, k).double()
+            scale = (x.abs().double() @ weights.abs().t()).max().item() + 1
+            assert (fused.double() - exact).abs().max().item() <= 1e-5 * scale * (exact.abs().amax().item() + 1)
+
+
+def test_packed_q8_0_gate_up_fuses_silu_and_mul(native, monkeypatch):
+    """pack_gate_up on Q8_0 weights with the integer GEMM: silu_and_mul(x) == the op on self(x), 1-4
+    rows through the small-rows kernel, 5+ in one gated GEMM; halves that are not whole panels keep
+    the plain layer (the model then applies the op)."""
+    _gemm(native)
+    if not native.has_small_linear(torch.float32, torch.int8):
+        pytest.skip(f"the {native.tier.name} build has no Q8_0 small-rows kernel")
+    monkeypatch.setenv(cpu_q8_0_linear.GEMM_ENV, "integer-avx2")
+    lin = torch.nn.Linear(320, 2 * 48)
+    layer = cpu_linear.pack_gate_up(lin, native=native, quantization="q8_0")
+    assert type(layer) is cpu_q8_0_linear.PackedQ8_0GateUp
+    for shape in ((3, 320), (4, 320), (2, 9, 320), (70, 320)):
+        x = torch.randn(*shape)
+        fused = layer.silu_and_mul(x)
+        assert fused.shape == (*shape[:-1], 48)
+        assert torch.equal(fused, native.silu_and_mul(layer(x).reshape(-1, 96), 2).view(*shape[:-1], 48))
+    odd = torch.nn.Linear(320, 2 * 40)                      # 40 outputs a half: not whole 16-output panels
+    assert type(cpu_linear.pack_gate_up(odd, native=native, quantization="q8_0")) is cpu_q8_0_linear.PackedQ8_0Linear
+
+
 def test_gemm_choice_follows_the_tier_and_the_override(native, monkeypatch):
     _gemm(native)
     vnni = native.has_gemm_q8_0_vnni

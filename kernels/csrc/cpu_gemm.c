@@ -36,6 +36,7 @@
 
 #include "vb_blocking.h"
 #include "vb_kernels.h"
+#include "vb_silu_mul.h"
 #include "vb_simd.h"
 
 #define NR 16   /* outputs per panel */
@@ -211,21 +212,6 @@ static int gemm(const float *x, int64_t ldx, const void *packed, int half, const
     return failed ? 3 : 0;
 }
 
-/* y[i, 0..nc) = silu(g[i, 0..nc)) * y[i, 0..nc) for `rows` rows, g [rows][NR]: the formula of
- * vb_silu_and_mul (cpu_elementwise.c), lane for lane, so the fused GEMM equals GEMM + op exactly. */
-static void silu_mul_rows(const float *g, float *y, int64_t ldy, int rows, int nc) {
-    for (int i = 0; i < rows; ++i) {
-        const float *gi = g + (int64_t)i * NR;
-        float *yi = y + (int64_t)i * ldy;
-        int c = 0;
-        for (; c + VL <= nc; c += VL) {
-            const vf gv = load_f32(gi + c);
-            store_f32(yi + c, gv / (1.0f + vexp(-gv)) * load_f32(yi + c));
-        }
-        for (; c < nc; ++c) yi[c] = gi[c] / (1.0f + exp1(-gi[c])) * yi[c];
-    }
-}
-
 /* The gated GEMM: the packed weight holds a gated MLP's gate and up projections (each [inter, K]) as
  * pairs of panels (kernels/gemm_libraries.py pack_gated: panel p of the gate, [K][nc], then panel p of
  * the up projection), and each thread computes both panels of a pair over a row block, one after the
@@ -236,8 +222,9 @@ static void silu_mul_rows(const float *g, float *y, int64_t ldy, int rows, int n
  * NOTE: why fused. The plain GEMM writes the [M, 2 * inter] product out and the op reads it back;
  * here only silu(gate) * up is written. Raced in one process against vb_gemm_f16 + vb_silu_and_mul
  * (Zen 4 held to AVX2, 2 threads, SmolLM2-135M's 30 gate/up projections, fp16 weights, medians of 7
- * alternating rounds; the results equal bit for bit): 1.01x at 64 rows, 1.02x at 256, 1.05x at
- * 2,048 (the MLP's row chunk, cpu_linear.MLP_CHUNK_ROWS). */
+ * alternating rounds; the results equal bit for bit; both sides allocating their outputs per call
+ * as the engine does, session 28): 1.016x at 16 rows, 1.038x at 64, 1.037x at 256, 0.984x at 2,048
+ * (the MLP's row chunk, cpu_linear.MLP_CHUNK_ROWS); end to end 1.016x (session 27's ABBA). */
 static int gemm_gated(const float *x, int64_t ldx, const void *packed, int half, const float *bias, float *y,
                       int64_t ldy, int m, int inter, int k, int fuse, int num_threads) {
     const int panels = (inter + NR - 1) / NR;
@@ -279,7 +266,7 @@ static int gemm_gated(const float *x, int64_t ldx, const void *packed, int half,
                 float *yu = yr + (fuse ? 0 : inter) + p * NR;
                 panel_rows(whole, nc, 0, rows, 0, k, xr, ldx, w, yu, ldy, bias ? bias + inter + p * NR : NULL,
                            next, nq * elem);
-                if (fuse) silu_mul_rows(gbuf, yu, ldy, rows, nc);
+                if (fuse) vb_silu_mul_rows(gbuf, NR, yu, ldy, rows, nc);
             }
         }
         free(wide);

@@ -1,9 +1,12 @@
 /* GEMM over Q8_0 weights in integer arithmetic: y[M, N] = x[M, K] . (q * d)[N, K]^T (+ b), for the
  * large-batch linears of a model loaded with `--quantization q8_0` where it beats oneDNN over the
  * dequantized weights (kernels/cpu_q8_0_linear.py gemm_choice: the avx2 tier; measured there).
+ * vb_gemm_q8_gated runs a gated MLP's merged gate/up projection with SiLU-and-mul in its epilogue
+ * (kernels/cpu_q8_0_linear.py PackedQ8_0GateUp).
  *
  * Reference: tests/test_cpu_gemm_q8.py computes the same integers in torch (int64) and the block
- * scales in float64, and F.linear on the dequantized weights for the end-to-end tolerance.
+ * scales in float64, and F.linear on the dequantized weights for the end-to-end tolerance; the gated
+ * GEMM also against the plain one followed by vb_silu_and_mul (equal bit for bit).
  *
  * The arithmetic. Each row of x is quantized once per call to int16 with one scale:
  * s = max |x| / 32767, xq = rint(x * (32767 / max |x|)) (xq = 0 for a row of zeros). Per block of 32
@@ -48,6 +51,7 @@
 
 #include "vb_blocking.h"
 #include "vb_kernels.h"
+#include "vb_silu_mul.h"
 
 #define NR 16   /* outputs per panel */
 #define MR 6    /* rows per micro tile (block6) */
@@ -264,6 +268,19 @@ static int kc_max(void) {
     return cached;
 }
 
+/* K in near-equal blocks of whole 32s, each at most kc_max(). */
+static int k_block(int k) {
+    const int blocks = k / VB_Q8_BLOCK, k_blocks = (k + kc_max() - 1) / kc_max();
+    return (blocks + k_blocks - 1) / k_blocks * VB_Q8_BLOCK;
+}
+
+/* x's m rows rounded to int16 (xq [m][k], scales s [m]), shared among the enclosing team: an omp for,
+ * so it ends with the team's barrier. */
+static void quantize_rows(const float *x, int64_t ldx, int m, int k, int16_t *xq, float *s) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < m; ++r) s[r] = quantize_row(x + r * ldx, k, xq + (int64_t)r * k);
+}
+
 int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
                        int64_t ldy, int m, int n, int k, int vnni, int num_threads) {
     if (k <= 0 || k % VB_Q8_BLOCK) return 2;
@@ -276,13 +293,10 @@ int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const
         free(xq), free(s);
         return 3;
     }
-    const int kc_most = kc_max();
-    const int blocks = k / VB_Q8_BLOCK, k_blocks = (k + kc_most - 1) / kc_most;
-    const int kb = (blocks + k_blocks - 1) / k_blocks * VB_Q8_BLOCK;  /* near-equal, whole 32-blocks */
+    const int blocks = k / VB_Q8_BLOCK, kb = k_block(k);
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(static)
-        for (int r = 0; r < m; ++r) s[r] = quantize_row(x + r * ldx, k, xq + (int64_t)r * k);
+        quantize_rows(x, ldx, m, k, xq, s);
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
         for (int k0 = 0; k0 < k; k0 += kb) {
@@ -306,11 +320,85 @@ int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const
     return 0;
 }
 
+/* The gated GEMM over Q8_0 weights: `packed` is a gated MLP's merged [gate; up] projection ([2 *
+ * inter, K], inter a multiple of 16, pack_panels), so up panel p lies inter / 16 panels after gate
+ * panel p; bias [2 * inter] (the gate's, then the up's) or NULL. y[m, inter] = silu(gate) * up: each
+ * thread takes a range of gate panels and, per block of MC rows, computes gate panel p into a
+ * per-thread [MC][16] buffer and up panel p into y, then the epilogue (vb_silu_mul.h), so the
+ * [m, 2 * inter] product is never written out and read back. The sums are vb_gemm_q8's (the same
+ * tiles and k blocks), so it equals vb_gemm_q8 over the merged weight followed by vb_silu_and_mul
+ * bit for bit (tests/test_cpu_gemm_q8.py).
+ * NOTE: what it saves is the product's write and the op's read of it, against multiply-adds that
+ * run about 1.4x faster here than in the fp32 GEMM, so the gain is small. Raced against vb_gemm_q8
+ * + vb_silu_and_mul (bench/gemm_builds.py --kernel gated-q8_0: Zen 4 held to AVX2, 2 threads, 30
+ * layers' gate/up [3072, 576], both sides allocating their outputs per call as the engine does,
+ * medians of 7-11 rounds; outputs identical): 8 rows 1.05x, 16 rows 0.97-0.98x, 32 rows 1.05x, 64
+ * rows 1.01x, 256 rows 1.07x, 2,048 rows 1.05x. In the engine (bench/op_times.py --num-prompts 64
+ * --quantization q8_0, ABBA) the gate/up and the op took 7.08 / 7.07 s of the prefill steps
+ * unfused and 6.71 / 7.26 s fused: within the machine's noise (docs/performance/avx2-on-zen4.md,
+ * session 28). */
+int VB_ACT(vb_gemm_q8_gated)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
+                             int64_t ldy, int m, int inter, int k, int vnni, int num_threads) {
+    if (k <= 0 || k % VB_Q8_BLOCK || inter <= 0 || inter % NR) return 2;
+    if (vnni && !has_avxvnni()) return 4;
+    const int half = inter / NR, blocks = k / VB_Q8_BLOCK, kb = k_block(k);
+    const float *scales = (const float *)(packed + (int64_t)2 * half * NR * k);
+    int16_t *xq = malloc((size_t)m * k * sizeof(int16_t));
+    float *s = malloc((size_t)(m > 0 ? m : 1) * sizeof(float));
+    if (!xq || !s) {
+        free(xq), free(s);
+        return 3;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        quantize_rows(x, ldx, m, k, xq, s);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int p0 = (int)((int64_t)half * t / nt), p1 = (int)((int64_t)half * (t + 1) / nt);
+        float *gbuf = p1 > p0 && m > 0 ? aligned_alloc(64, (size_t)MC * NR * sizeof(float)) : NULL;
+        if (p1 > p0 && m > 0 && !gbuf) failed = 1;
+        for (int r0 = 0; r0 < m && gbuf; r0 += MC) {
+            const int rows = m - r0 < MC ? m - r0 : MC;
+            const int16_t *xr = xq + (int64_t)r0 * k;
+            float *yr = y + (int64_t)r0 * ldy;
+            for (int p = p0; p < p1; ++p) {
+                for (int up = 0; up < 2; ++up) {
+                    const int panel = p + up * half;
+                    /* what the tiles prefetch in the first row block (weights straight from memory there):
+                       the up panel during the gate's, the next gate panel during the up's */
+                    const int next = up ? (p + 1 < p1 ? p + 1 : -1) : p + half, pref = r0 == 0 && next >= 0;
+                    for (int k0 = 0; k0 < k; k0 += kb) {
+                        const int kc = k - k0 < kb ? k - k0 : kb;
+                        const int64_t at = (int64_t)k0 * NR, block = k0 / VB_Q8_BLOCK;
+                        const int16_t *w = packed + (int64_t)panel * NR * k + at;
+                        const float *d = scales + ((int64_t)panel * blocks + block) * NR;
+                        panel_rows(NR, 0, rows, k0, kc, k0 + kc == k, vnni, xr, k, w, d, up ? yr + p * NR : gbuf,
+                                   up ? ldy : NR, s + r0, bias ? bias + up * inter + p * NR : NULL,
+                                   pref ? packed + (int64_t)next * NR * k + at : NULL,
+                                   pref ? scales + ((int64_t)next * blocks + block) * NR : NULL);
+                    }
+                }
+                vb_silu_mul_rows(gbuf, NR, yr + p * NR, ldy, rows, NR);
+            }
+        }
+        free(gbuf);
+    }
+    free(xq), free(s);
+    return failed ? 3 : 0;
+}
+
 #else
 
 int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
                        int64_t ldy, int m, int n, int k, int vnni, int num_threads) {
     (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)vnni;
+    (void)num_threads;
+    return 1;
+}
+
+int VB_ACT(vb_gemm_q8_gated)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
+                             int64_t ldy, int m, int inter, int k, int vnni, int num_threads) {
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)m, (void)inter, (void)k, (void)vnni;
     (void)num_threads;
     return 1;
 }

@@ -67,6 +67,11 @@ int VB_ACT(vb_gemm_gated_f16)(const float *x, int64_t ldx, const uint16_t *packe
  * build) without it. */
 int VB_ACT(vb_gemm_q8)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
                        int64_t ldy, int m, int n, int k, int vnni, int num_threads);
+/* cpu_gemm_q8.c: a gated MLP's merged [gate; up] Q8_0 weight ([2 * inter, k] packed as vb_gemm_q8's,
+ * inter a multiple of 16), bias [2 * inter] or NULL: y[m, inter] = silu(gate) * up (vb_silu_and_mul's
+ * formula). Returns as vb_gemm_q8 (2 also for inter not a multiple of 16). */
+int VB_ACT(vb_gemm_q8_gated)(const float *x, int64_t ldx, const int16_t *packed, const float *bias, float *y,
+                             int64_t ldy, int m, int inter, int k, int vnni, int num_threads);
 
 /* cpu_decoder_layer.c: consecutive Llama-family decoder layers for 1-8 tokens in one call. Norms, biases and
  * activations are act_t (the model's dtype); the four weights are stored as weight_format says
