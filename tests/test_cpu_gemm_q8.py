@@ -203,9 +203,16 @@ def test_packed_q8_0_gate_up_fuses_silu_and_mul(native, monkeypatch):
     lin = torch.nn.Linear(320, 2 * 48)
     layer = cpu_linear.pack_gate_up(lin, native=native, quantization="q8_0")
     assert type(layer) is cpu_q8_0_linear.PackedQ8_0GateUp
+    gated_calls = []
+    gemm = native.gemm_q8_0
+    monkeypatch.setattr(layer, "native", dataclasses.replace(native))   # its own copy to spy on
+    object.__setattr__(layer.native, "gemm_q8_0", lambda *a, **k: (gated_calls.append(k.get("gated", False)),
+                                                                  gemm(*a, **k))[1])
     for shape in ((3, 320), (4, 320), (2, 9, 320), (70, 320)):
         x = torch.randn(*shape)
+        gated_calls.clear()
         fused = layer.silu_and_mul(x)
+        assert gated_calls == ([] if x.numel() // 320 <= 4 else [True])   # 5+ rows: the one gated GEMM
         assert fused.shape == (*shape[:-1], 48)
         assert torch.equal(fused, native.silu_and_mul(layer(x).reshape(-1, 96), 2).view(*shape[:-1], 48))
     odd = torch.nn.Linear(320, 2 * 40)                      # 40 outputs a half: not whole 16-output panels
