@@ -11,13 +11,16 @@ worth choosing.
 
     avx512-bf16  AVX-512 with avx512_bf16 (Zen 4, Sapphire Rapids): bf16 models, vdpbf16ps dot
                  products; built with -march=native.
+    avx512       AVX-512 F/BW/VL/DQ without avx512_bf16 (Intel Skylake-SP, Cascade Lake, Ice Lake: most
+                 cloud x86 servers): as avx2, fp32 arithmetic over fp16-stored weights and KV cache, in
+                 16-lane vectors; the 5+-row GEMMs in oneDNN's AVX-512 fp32 (gemm_libraries NOTE).
     avx2         AVX2 + FMA + F16C (Zen 2/3, Haswell and later): fp32 models whose weights and KV
                  cache are stored as fp16 (widened by vcvtph2ps), fp32 FMAs.
     portable     plain C that the compiler vectorises for its baseline target (SSE2 on x86-64,
                  NEON on aarch64): fp32 models, bf16-stored weights and KV cache (widened by a shift).
 
-Every tier runs on a CPU that runs a faster one, so an AVX-512 machine can build and test all
-three and an AVX2 machine two (tests/test_cpu_tiers.py); VBATCH_CPU_TIER=portable forces the
+Every tier runs on a CPU that runs a faster one, so an AVX-512 machine with avx512_bf16 can build
+and test all four and an AVX2 machine two (tests/conftest.py native_test_tiers); VBATCH_CPU_TIER=portable forces the
 slowest for the whole process. The engine never compares tier names: it asks a tier's fields.
 """
 from __future__ import annotations
@@ -65,6 +68,23 @@ AVX512_BF16 = CpuTier(
     bf16_compute=True,
     description="AVX-512 with avx512_bf16: bf16 activations and weights, vdpbf16ps dot products",
 )
+# NOTE: why a tier of its own. Without it these CPUs took the avx2 tier: every kernel in 8 lanes and
+# the GEMMs in vbatch's AVX2 one (6 x 16 tiles of ymm), half the multiply-adds a cycle of the two
+# 512-bit FMA units of a Xeon Gold 6xxx / Platinum. Here the kernels are the same C in 16 lanes (the
+# code the avx512-bf16 tier runs for fp32 models: VL 16, F16C's 512-bit widening) and the GEMMs are
+# oneDNN's, which runs AVX-512 fp32 there (native_gemm off: it keeps an fp32 copy of the weights, as
+# the avx512-bf16 tier does for fp32 models). Zen 4 executes each 512-bit FMA as two 256-bit halves,
+# so there the two GEMMs tie (docs/performance/avx512.md); Zen 4 always has avx512_bf16, so it never
+# picks this tier by itself. Q8_0 layers stay on oneDNN too off AMD (q8_0_integer_gemm_beats_avx512).
+AVX512 = CpuTier(
+    name="avx512",
+    required_flags=frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+    compile_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                   "-mtune=native"),
+    half_dtype=torch.float16,
+    bf16_compute=False,
+    description="AVX-512 without avx512_bf16: fp32 arithmetic in 16 lanes, fp16-stored weights widened in registers",
+)
 AVX2 = CpuTier(
     name="avx2",
     required_flags=frozenset({"avx", "avx2", "fma", "f16c"}),
@@ -85,7 +105,7 @@ PORTABLE = CpuTier(
     description="plain C vectorised by the compiler for its baseline target: fp32 arithmetic, "
                 "bf16-stored weights",
 )
-TIERS = (AVX512_BF16, AVX2, PORTABLE)  # fastest first
+TIERS = (AVX512_BF16, AVX512, AVX2, PORTABLE)  # fastest first
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def native_test_tiers() -> list:
         return []
     import torch
     tiers = list(cpu_features.detect().tiers)
-    if cpu_features.AVX512_BF16 not in tiers:
+    if not any("avx512f" in tier.required_flags for tier in tiers):
         tiers.append(cpu_features.CpuTier(
             name="lanes16", required_flags=frozenset(), compile_flags=("-DVB_LANES=16",), half_dtype=torch.bfloat16,
             bf16_compute=False, description="test only: 16 lanes in plain C (the AVX-512 tier's shape)"))
@@ -111,15 +111,29 @@ def pytest_report_header(config):
             f"engine tests run on: {cpu_features.selected_tier().name}"]
 
 
+def tier_of_test(nodeid: str, names) -> str | None:
+    """The tier among `names` that a parametrised test's id names as one of its '-'-separated
+    parameters ('test_x[avx512-bf16-float32]' -> 'avx512-bf16', not 'avx512'), else None."""
+    if not nodeid.endswith("]") or "[" not in nodeid:
+        return None
+    params = "-" + nodeid[nodeid.index("[") + 1:-1] + "-"
+    for name in sorted(names, key=len, reverse=True):  # the longest first: avx512-bf16 before avx512
+        if f"-{name}-" in params:
+            return name
+    return None
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The CPU paths the run exercised: passed tests per native-kernel tier."""
     cpu_features = _cpu()
     if cpu_features is None:
         return
     passed = [r.nodeid for r in terminalreporter.stats.get("passed", [])]
-    counts = []
-    for tier in NATIVE_TEST_TIERS:
-        marks = (f"[{tier.name}-", f"-{tier.name}-", f"-{tier.name}]", f"[{tier.name}]")
-        counts.append(f"{tier.name} {sum(any(m in nodeid for m in marks) for nodeid in passed)}")
+    counts = {tier.name: 0 for tier in NATIVE_TEST_TIERS}
+    for nodeid in passed:
+        tier = tier_of_test(nodeid, counts)
+        if tier:
+            counts[tier] += 1
+    counts = [f"{name} {n}" for name, n in counts.items()]
     terminalreporter.write_line(f"CPU paths exercised (tier-parametrised tests passed): {', '.join(counts)}; "
                                 f"engine tests on {cpu_features.selected_tier().name}")

@@ -1,7 +1,8 @@
 """CPU feature detection and the native-kernel tier it selects (kernels/cpu_features.py).
 
 Oracles: hand-written /proc/cpuinfo excerpts of the kinds of machine these tests run on (AMD Zen 4
-with avx512_bf16, Zen 3 with AVX2 only, an Intel Xeon with AMX), an aarch64 one and a CPU without AVX2; the engine's
+with avx512_bf16, Zen 3 with AVX2 only, an Intel Xeon with AMX), an Intel Xeon with AVX-512 but no
+avx512_bf16 (Cascade Lake), an aarch64 one and a CPU without AVX2; the engine's
 dtype choice (engine/device.py) follows the tier.
 """
 from __future__ import annotations
@@ -12,13 +13,16 @@ import torch
 from vbatch.engine.device import cpu_has_fast_bf16, resolve_dtype, resolve_kv_cache_dtype, resolve_weight_dtype
 from vbatch.engine.errors import ConfigError
 from vbatch.kernels import cpu_features, cpuinfo
-from vbatch.kernels.cpu_features import AVX2, AVX512_BF16, PORTABLE, CpuFeatures
+from vbatch.kernels.cpu_features import AVX2, AVX512, AVX512_BF16, PORTABLE, CpuFeatures
 
 ZEN4 = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi2 avx512f avx512dq avx512cd avx512bw "
         "avx512vl avx512_bf16 avx512vnni")
 ZEN3 = "fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi1 bmi2"
 INTEL_AMX = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi2 avx512f avx512dq avx512cd avx512bw "
              "avx512vl avx_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8")   # Xeon (Sapphire Rapids on)
+CASCADE_LAKE = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi2 avx512f avx512dq avx512cd "
+                "avx512bw avx512vl avx512_vnni")                          # Xeon Gold 6248 (AWS c5, GCP n2)
+KNIGHTS_LANDING = "fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 avx512f avx512cd avx512er avx512pf"
 OLD_X86 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx"           # AVX without AVX2/FMA
 ARM = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm"
 
@@ -27,9 +31,11 @@ def _features(flags: str, machine: str = "x86_64") -> CpuFeatures:
     return CpuFeatures(machine=machine, model_name="test", flags=frozenset(flags.split()))
 
 
-@pytest.mark.parametrize("flags,want", [(ZEN4, ["avx512-bf16", "avx2", "portable"]), (ZEN3, ["avx2", "portable"]),
-                                        (INTEL_AMX, ["avx512-bf16", "avx2", "portable"]), (OLD_X86, ["portable"])],
-                         ids=["zen4", "zen3", "intel-amx", "avx-only"])
+@pytest.mark.parametrize("flags,want", [(ZEN4, ["avx512-bf16", "avx512", "avx2", "portable"]), (ZEN3, ["avx2", "portable"]),
+                                        (INTEL_AMX, ["avx512-bf16", "avx512", "avx2", "portable"]),
+                                        (CASCADE_LAKE, ["avx512", "avx2", "portable"]),
+                                        (KNIGHTS_LANDING, ["avx2", "portable"]), (OLD_X86, ["portable"])],
+                         ids=["zen4", "zen3", "intel-amx", "cascade-lake", "knights-landing", "avx-only"])
 def test_tiers_follow_the_flags(flags, want):
     assert [t.name for t in _features(flags).tiers] == want
 
@@ -42,6 +48,18 @@ def test_machine_kind_names_amx_where_bf16_gemms_use_it():
     assert cpu_features.machine_kind(AVX2, _features(INTEL_AMX)) == "avx2-on-avx512-bf16-amx"
     assert cpu_features.machine_kind(AVX2, _features(ZEN4)) == "avx2-on-avx512-bf16"
     assert cpu_features.machine_kind(PORTABLE, _features(ZEN3)) == "portable-on-avx2"
+    assert cpu_features.machine_kind(AVX512, _features(CASCADE_LAKE)) == "avx512"
+    assert cpu_features.machine_kind(AVX2, _features(CASCADE_LAKE)) == "avx2-on-avx512"
+    assert cpu_features.machine_kind(AVX512, _features(ZEN4)) == "avx512-on-avx512-bf16"
+
+
+def test_the_avx512_tier_computes_fp32_in_16_lanes_through_onednn():
+    # no bf16 arithmetic: fp32 over fp16-stored weights; the GEMMs stay with the library (its AVX-512
+    # fp32 kernels), and the build targets AVX-512 without naming avx512_bf16
+    assert not AVX512.bf16_compute and AVX512.half_dtype == torch.float16 and not AVX512.native_gemm
+    assert "-mavx512f" in AVX512.compile_flags
+    assert not any("bf16" in flag or flag.startswith("-march") for flag in AVX512.compile_flags)
+    assert not AVX512.q8_0_integer_gemm and not _features(CASCADE_LAKE).q8_0_integer_gemm_beats_avx512
 
 
 def test_arm_runs_the_portable_tier():
@@ -91,6 +109,7 @@ def test_this_machine_runs_what_its_flags_say():
     cpu = cpu_features.detect()
     assert cpu.tiers[-1] is PORTABLE
     assert (AVX512_BF16 in cpu.tiers) == cpu.has("avx512_bf16", "avx512bw", "avx512vl")
+    assert (AVX512 in cpu.tiers) == cpu.has("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c")
     assert (AVX2 in cpu.tiers) == cpu.has("avx2", "fma", "f16c")
     assert "avx512_bf16" in cpu.deciding_flags    # named as present or as missing
 
@@ -99,7 +118,7 @@ def test_environment_forces_a_lower_tier_and_refuses_others(monkeypatch):
     monkeypatch.setenv(cpu_features.TIER_ENV, "portable")
     assert cpu_features.selected_tier() is PORTABLE
     monkeypatch.setenv(cpu_features.TIER_ENV, "sse9")
-    with pytest.raises(ConfigError, match="unknown CPU tier 'sse9'; tiers: avx512-bf16, avx2, portable"):
+    with pytest.raises(ConfigError, match="unknown CPU tier 'sse9'; tiers: avx512-bf16, avx512, avx2, portable"):
         cpu_features.selected_tier()
     with pytest.raises(ConfigError, match="needs avx2 f16c fma"):
         cpu_features.tier_named("avx2", _features(OLD_X86))
@@ -134,3 +153,14 @@ def test_storage_dtype_pairs():
             resolve_kv_cache_dtype(name, torch.bfloat16, torch.device("cuda"))
     with pytest.raises(ConfigError, match="weight_dtype"):
         resolve_weight_dtype("fp8", torch.float32, cpu)
+
+
+def test_the_summary_counts_each_test_for_the_tier_its_id_names():
+    from conftest import tier_of_test
+    names = ["avx512-bf16", "avx512", "avx2", "portable"]
+    assert tier_of_test("tests/test_x.py::test_a[avx512-bf16-float32]", names) == "avx512-bf16"
+    assert tier_of_test("tests/test_x.py::test_a[avx512-float32]", names) == "avx512"
+    assert tier_of_test("tests/test_x.py::test_a[float32-avx512]", names) == "avx512"
+    assert tier_of_test("tests/test_x.py::test_a[avx2]", names) == "avx2"
+    assert tier_of_test("tests/test_x.py::test_a[float32]", names) is None
+    assert tier_of_test("tests/test_x.py::test_a", names) is None

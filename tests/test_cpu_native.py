@@ -358,6 +358,15 @@ def test_read_probe_reads_every_word_once(native, threads):
             assert native.read_probe(words, streams, threads) == exact, (count, streams)
 
 
+def test_each_build_has_its_tiers_vector_width(native):
+    # 16 fp32 lanes where the tier targets AVX-512 (with or without avx512_bf16; or the plain-C
+    # 16-lane test build), 8 on AVX2, 4 on the portable tier's SSE2 / NEON baseline
+    flags = native.tier.compile_flags
+    want = (16 if "-mavx512f" in flags or "-DVB_LANES=16" in flags or "avx512f" in native.tier.required_flags
+            else 8 if "-mavx2" in flags else 4)
+    assert native.vector_lanes == want
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fma_probe_runs_every_chain_and_lane(native, threads):
     # The multiply-add peak's probe (cpu_fma_probe.c): chain c runs a = a * x + y from 1 + c / 16 in
