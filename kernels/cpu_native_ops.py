@@ -6,8 +6,8 @@ Every method here takes exactly the arguments of its reference (attention_ref, n
 activation_ref, cpu_rotary, cache_ref) and returns the same thing, computed by one C call
 (kernels/csrc/*.c) for fp32 or bf16 tensors. Inputs the kernels were not built for (another dtype,
 odd strides, a head size they do not take) go to the torch implementation instead, so binding
-these never changes what a model may be. Test oracles: the references (tests/test_cpu_native.py,
-tests/test_cpu_tiers.py).
+these never changes what a model may be. Test oracles: the references (tests/test_cpu_native*.py,
+tests/test_cpu_features.py).
 
 NOTE: `apply_rotary` rotates q and k in place (they are views of the fused qkv output, which
 nothing else reads) and returns them; the reference returns new tensors.

@@ -100,6 +100,32 @@ def native(request):
     return kernels
 
 
+# The native kernels' activation dtypes and (activation, KV cache) variants (native_params.py; none
+# without torch, where nothing CPU-specific runs)
+try:
+    from native_params import DTYPES, FP8_VARIANT_IDS, FP8_VARIANTS, VARIANT_IDS, VARIANTS
+except ImportError:
+    DTYPES, VARIANTS, VARIANT_IDS, FP8_VARIANTS, FP8_VARIANT_IDS = [], [], [], [], []
+
+
+@pytest.fixture(params=DTYPES, ids=["fp32", "bf16"][:len(DTYPES)])
+def dtype(request):
+    """An activation dtype of the native kernels: fp32, bf16."""
+    return request.param
+
+
+@pytest.fixture(params=VARIANTS, ids=VARIANT_IDS)
+def variant(request):
+    """(activation dtype, KV-cache dtype): the builds' variants but fp8 (native_build.VARIANTS)."""
+    return request.param
+
+
+@pytest.fixture(params=VARIANTS + FP8_VARIANTS, ids=VARIANT_IDS + FP8_VARIANT_IDS)
+def any_variant(request):
+    """`variant` and the fp8 caches: for the tests that cover every path of the attention and the KV write."""
+    return request.param
+
+
 def pytest_report_header(config):
     """Which CPU this is and which native-kernel tiers the suite builds and tests on it."""
     cpu_features = _cpu()

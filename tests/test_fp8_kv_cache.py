@@ -4,9 +4,9 @@ Keys and values are rounded to OCP E4M3 or E5M2 (nearest even, saturated, scale 
 default) when written; attention widens them exactly. Everything else is the model's dtype.
 
 Oracles:
-  - the kernels (tests/test_cpu_native.py): the KV write bit for bit against the reference's
-    `.clamp().to(float8)`, the attention within fp32 / bf16 rounding of the reference reading the
-    same stored values, on every tier;
+  - the kernels (tests/test_cpu_native_elementwise.py, test_cpu_native.py): the KV write bit for
+    bit against the reference's `.clamp().to(float8)`, the attention within fp32 / bf16 rounding
+    of the reference reading the same stored values, on every tier;
   - here, the whole model against transformers with a cache that rounds what it stores the same way
     (`_RoundingCache`, a DynamicCache subclass; its attention reads the rounded keys and values, the
     current token's too, as the engine's does). Rounding to 3 or 2 mantissa bits turns the tiny

@@ -1,0 +1,169 @@
+"""The native kernels' build (kernels/native_build.py), its probes (read bandwidth, multiply-add
+peak, vector width) and the ops get_ops binds from it (kernels/ops.py), per CPU tier this machine
+runs (conftest.native_test_tiers).
+"""
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from conftest import NATIVE_TEST_TIERS
+from vbatch.kernels import cpu_features, cpu_native, gemm_libraries, native_build
+
+TIERS = NATIVE_TEST_TIERS
+
+def test_build_is_cached_per_tier_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
+    # One tier built into a fresh cache (every tier builds the same way; the others' libraries are the
+    # ones the tests above loaded): compiled once, then reused; each tier has its own flags and key.
+    tier = cpu_features.selected_tier()
+    monkeypatch.setenv("VBATCH_CACHE", str(tmp_path))
+    first, compiled_now = native_build.build(tier)
+    assert compiled_now and first.is_file() and first.is_relative_to(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert native_build.build(tier) == (first, False) and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert len({native_build.build_flags(t) for t in TIERS}) == len(TIERS)
+    with pytest.raises(FileNotFoundError):
+        native_build.build(tier, compiler=str(tmp_path / "no-such-cc"))
+
+
+def test_every_kernel_source_is_compiled_or_hashed_into_the_build_key():
+    """A file of kernels/csrc that neither SOURCES nor HEADERS names would be edited without the
+    cached library being rebuilt (the key hashes only those)."""
+    named = {path.name for path in (*native_build.SOURCES, *native_build.HEADERS)}
+    on_disk = {path.name for path in native_build.CSRC.iterdir() if path.suffix in (".c", ".h")}
+    assert on_disk == named
+
+
+def test_extra_build_flags_come_from_the_environment(monkeypatch):
+    # VBATCH_NATIVE_CFLAGS (an ASan build, docs/development.md) joins the flags, so the cache key too
+    tier = cpu_features.PORTABLE
+    plain = native_build.build_flags(tier)
+    monkeypatch.setenv("VBATCH_NATIVE_CFLAGS", " -fsanitize=address  -g ")
+    assert native_build.build_flags(tier) == (*plain, "-fsanitize=address", "-g")
+
+
+def test_small_rows_prefetch_is_built_in_on_intel_only():
+    # Measured: prefetching each weight stream ahead helps on an Intel Xeon, not on Zen 3 (fp32) or
+    # Zen 4 (bf16: slower at 2-4 rows).
+    tier = cpu_features.PORTABLE
+    flags = {vendor: native_build.build_flags(tier, cpu_features.CpuFeatures(
+        machine="x86_64", model_name="test", flags=frozenset({"avx2", "fma", "f16c"}), vendor=vendor))
+        for vendor in ("GenuineIntel", "AuthenticAMD", "")}
+    assert "-DVB_PREFETCH_STREAMS" in flags["GenuineIntel"]
+    assert not any("PREFETCH" in f for f in flags["AuthenticAMD"] + flags[""])
+    # and the source turns that flag into each kernel's distance: the preprocessor's own account of
+    # cpu_linear_small.c's bf16 and fp32 variants under each vendor's flags (the bf16 kernel's block
+    # needs avx512_bf16 targets, which preprocessing asks of no CPU)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs an x86-64 C compiler (cc or gcc) to preprocess the kernel source")
+    distances = {vendor: {} for vendor in flags}
+    for vendor, vendor_flags in flags.items():
+        for _, defines in (native_build.VARIANTS[torch.bfloat16, torch.bfloat16],
+                           native_build.VARIANTS[torch.float32, torch.float32]):
+            macros = subprocess.run([cc, *vendor_flags, *defines, "-mavx512f", "-mavx512bf16", "-E", "-dM",
+                                     f"-I{native_build.CSRC}", str(native_build.CSRC / "cpu_linear_small.c")],
+                                    capture_output=True, text=True, check=True).stdout
+            distances[vendor] |= {name: int(value) for _, name, value in
+                                  (line.split() for line in macros.splitlines() if line.startswith("#define ")
+                                   and line.split()[1] in ("BF16_PREFETCH", "VB_F32_PREFETCH"))}
+    assert distances["GenuineIntel"] == {"BF16_PREFETCH": 2048, "VB_F32_PREFETCH": 1024}
+    assert distances["AuthenticAMD"] == distances[""] == {"BF16_PREFETCH": 0, "VB_F32_PREFETCH": 0}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_probe_reads_every_word_once(native, threads):
+    # The bandwidth ceiling's probe (cpu_read_probe.c): whatever the streams per thread, it returns
+    # the wrapping sum of the buffer's 64-bit words, so it read each once (numpy's uint64 sum, the oracle).
+    torch.manual_seed(threads)
+    for count in (3 * 2**17, 3 * 2**17 + 5, 7):  # 3 MiB: whole lines in every stream; then words left over
+        words = torch.randint(-2**62, 2**62, (count,), dtype=torch.int64)
+        exact = int(words.numpy().view("uint64").sum(dtype="uint64"))
+        for streams in (1, 2, 4, 8):
+            assert native.read_probe(words, streams, threads) == exact, (count, streams)
+
+
+def test_each_build_has_its_tiers_vector_width(native):
+    # 16 fp32 lanes where the tier targets AVX-512 (with or without avx512_bf16; or the plain-C
+    # 16-lane test build), 8 on AVX2, 4 on the portable tier's SSE2 / NEON baseline
+    flags = native.tier.compile_flags
+    want = (16 if "-mavx512f" in flags or "-DVB_LANES=16" in flags or "avx512f" in native.tier.required_flags
+            else 8 if "-mavx2" in flags else 4)
+    assert native.vector_lanes == want
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fma_probe_runs_every_chain_and_lane(native, threads):
+    # The multiply-add peak's probe (cpu_fma_probe.c): chain c runs a = a * x + y from 1 + c / 16 in
+    # every lane of every thread. With x = 1/2 and y = 1/4 each step is exact in fp32 (halving, then
+    # one rounding of a sum of dyadics), so the returned total is known exactly: it ran each chain
+    # `iters` times, and all of them.
+    lanes = native.vector_lanes
+    chains = native.fma_width // lanes
+    assert lanes in (4, 8, 16) and chains >= 8
+    for iters in (0, 1, 3, 40, 1000):
+        a = 1 + torch.arange(chains, dtype=torch.float32) / 16
+        for _ in range(iters):
+            a = a * 0.5 + 0.25                     # fp32: the product exact, the sum rounded once
+        expected = threads * lanes * float(a.double().sum())
+        assert native.fma_probe(iters, 0.5, 0.25, threads) == pytest.approx(expected, rel=1e-6), iters
+
+
+# --- the native build chosen by get_ops, or its absence ------------------------------------------
+
+def test_get_ops_binds_the_tiers_native_kernels(native, dtype):
+    from vbatch.kernels.ops import get_ops
+    ops = get_ops("cpu", dtype, cpu_tier=native.tier)
+    assert ops.cpu_tier is native.tier and ops.native is native
+    assert ops.decoder_layers is not None and ops.paged_attention.__self__.kernels is native
+    half = get_ops("cpu", torch.float32, prefer_half=True, cpu_tier=native.tier)
+    # dtype auto on an fp32 tier: weights and KV cache in the tier's half format
+    assert half.weight_dtype == half.kv_cache_dtype == native.tier.half_dtype
+    exact = get_ops("cpu", torch.float32, cpu_tier=native.tier)
+    assert exact.weight_dtype == exact.kv_cache_dtype == torch.float32  # dtype float32: exact storage
+
+
+def test_this_cpu_runs_its_own_fast_path():
+    # No silent fallback: with a C compiler at hand the engine's ops for this CPU are its best tier's
+    # native kernels (fp32 and, where the tier computes it, bf16), never the references.
+    import shutil
+    from vbatch.kernels.ops import get_ops
+    if not (shutil.which("cc") or shutil.which("gcc")) or cpu_native.os.environ.get("VBATCH_CPU_NATIVE") == "0":
+        pytest.skip("no C compiler here (or VBATCH_CPU_NATIVE=0): the torch paths are this machine's fast path")
+    best = cpu_features.detect().tiers[0]
+    if cpu_native.os.environ.get(cpu_features.TIER_ENV):
+        best = cpu_features.selected_tier()
+    for dtype in (torch.float32, torch.bfloat16) if best.bf16_compute else (torch.float32,):
+        ops = get_ops("cpu", dtype)
+        assert ops.cpu_tier is best and ops.native is not None and ops.native.tier is best, dtype
+        assert ops.decoder_layers is not None and ops.paged_attention.__self__.kernels is ops.native
+
+
+def test_without_the_native_build_the_ops_keep_the_torch_paths(monkeypatch):
+    # No C compiler (or VBATCH_CPU_NATIVE=0): load() gives None and get_ops binds the torch paths
+    # (oneDNN linears; bf16: the inductor decode attention; fp32: the reference attention).
+    from vbatch.kernels import attention_ref, cpu_attention
+    from vbatch.kernels.ops import get_ops
+    tier = cpu_features.selected_tier()
+    monkeypatch.setattr(cpu_native, "_loaded", {tier.name: None})
+    ops = get_ops("cpu", torch.float32)
+    assert ops.native is None and ops.decoder_layers is None and ops.paged_attention is attention_ref.paged_attention
+    packed = ops.pack_linear(torch.nn.Linear(64, 32))
+    assert packed.native is None and packed.small_weight is None     # no second copy of the weights
+    assert ops.weight_dtype == torch.float32 and get_ops("cpu", torch.float32, prefer_half=True).weight_dtype \
+        == torch.float32                                             # nothing would stream half weights
+    if tier.bf16_compute and gemm_libraries.can_pack(torch.bfloat16):
+        bf16 = get_ops("cpu", torch.bfloat16)
+        assert bf16.paged_attention is cpu_attention.paged_attention and bf16.compiles_on_first_use
+    monkeypatch.undo()
+    assert get_ops("cpu", torch.float32).native is not None or cpu_native.load() is None
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("VBATCH_CPU_NATIVE", "0")
+    monkeypatch.setattr(cpu_native, "_loaded", {})  # forget the cached loads
+    assert cpu_native.load() is None
