@@ -20,13 +20,13 @@ overrides). Measured on the Intel Xeon (session 15, 2 threads, SmolLM2's four la
 bench/gemm_backends.py --q8-0) against oneDNN's fp32 GEMM over the dequantized weights:
   - torch held to AVX2 (the avx2 tier's setting): integer 1.2-1.8x, integer-vnni 1.6-2.2x at
     16-1,024 rows (oneDNN 156-240 GFLOP/s; integer 277-306, integer-vnni 339-421).
-  - not held (oneDNN on AVX-512): integer 0.74-1.16x, integer-vnni 1.0-1.4x; so the avx512-bf16
-    tier keeps "float" on Intel (its fast path is a bf16 model anyway).
+  - not held (oneDNN on AVX-512): integer 0.74-1.16x, integer-vnni 1.0-1.4x; so the AVX-512 tiers
+    (avx512-bf16, whose fast path is a bf16 model anyway, and avx512) keep "float" on Intel.
 Zen 4 (session 24, AMD EPYC, avx512_bf16, no AVX-VNNI, the same bench, not held): integer 197-299
 against oneDNN's AVX-512 fp32 at 135-218 GFLOP/s at 16-8,192 rows (1.26-1.47x; Zen 4 runs 512-bit
 FMAs as two 256-bit halves). The 256-prompt q8_0 run (ABBA, VBATCH_Q8_0_GEMM=float | integer):
 191.5 / 191.6 against 249.3 / 224.3 output tok/s, 1.24x on the medians. So on AMD the
-avx512-bf16 tier takes the integer GEMM too (CpuFeatures.q8_0_integer_gemm_beats_avx512). Zen 5,
+AVX-512 tiers take the integer GEMM too (CpuFeatures.q8_0_integer_gemm_beats_avx512). Zen 5,
 whose EPYC parts run 512-bit FMAs at full width, is not measured.
 On Zen 3 the integer multipliers are pipes of their own beside the two FMA pipes (vpmaddwd on FP0
 and FP3), so the kernel's peak there is twice the fp32 FMA peak.
