@@ -36,8 +36,12 @@ TARGETS = {
              ("batch-1 decode ÷ bandwidth ceiling (the bytes vbatch reads: its weight storage)", "bandwidth", 0.70)],
 }
 TARGETS["avx512-bf16-amx"] = TARGETS["avx512-bf16"]
+# AVX-512 without avx512_bf16 (Intel Skylake-SP to Ice Lake) computes in fp32 like AVX2: the same
+# issue's targets (issue 11: fast on every CPU, not only AVX-512 bf16 ones)
+TARGETS["avx512"] = TARGETS["avx2"]
 KIND_TITLES = {"avx512-bf16": "AVX-512 with avx512_bf16", "avx512-bf16-amx": "AVX-512 with avx512_bf16 and AMX",
-               "avx2": "AVX2 + FMA + F16C, no AVX-512", "portable": "no AVX2 (portable kernels)"}
+               "avx512": "AVX-512 without avx512_bf16", "avx2": "AVX2 + FMA + F16C, no AVX-512",
+               "portable": "no AVX2 (portable kernels)"}
 
 
 def kind_title(kind: str) -> str:

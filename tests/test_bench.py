@@ -352,6 +352,13 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     assert "(its best batch and dtype): **3.25x** (target ≥ 3.0x: met)" in held
     last = out.read_text()
     assert text in last and amx in last and zen4_section in last and held in last
+    # An Intel AVX-512 CPU without avx512_bf16 (the avx512 tier) is a kind of its own, with the
+    # fp32 CPUs' targets (the same records: the same ratios); the four sections before it stay.
+    cascade = report.write_report(records, ceilings, spec | {"cpu_kind": "avx512", "cpu_tier": "avx512"},
+                                  SimpleNamespace(repeats=1), ["p"], out)
+    assert cascade.startswith("<!-- cpu-kind avx512 -->\n## AVX-512 without avx512_bf16: ")
+    assert "(its best batch and dtype): **3.25x** (target ≥ 3.0x: met)" in cascade
+    assert all(section in out.read_text() for section in (text, amx, zen4_section, held, cascade))
 
 
 def test_gemm_backends_script_compares_the_libraries_the_engine_can_use():
