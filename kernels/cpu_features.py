@@ -20,8 +20,8 @@ worth choosing.
                  NEON on aarch64): fp32 models, bf16-stored weights and KV cache (widened by a shift).
 
 Every tier runs on a CPU that runs a faster one, so an AVX-512 machine with avx512_bf16 can build
-and test all four and an AVX2 machine two (tests/conftest.py native_test_tiers); VBATCH_CPU_TIER=portable forces the
-slowest for the whole process. The engine never compares tier names: it asks a tier's fields.
+and test all four and an AVX2 machine two (tests/conftest.py native_test_tiers);
+VBATCH_CPU_TIER=portable forces the slowest for the whole process. The engine never compares tier names: it asks a tier's fields.
 """
 from __future__ import annotations
 
@@ -134,9 +134,10 @@ class CpuFeatures:
     def q8_0_integer_gemm_beats_avx512(self) -> bool:
         """Whether Q8_0 layers multiply 5+ rows faster in vbatch's integer GEMM (256-bit vpmaddwd,
         cpu_gemm_q8.c) than in oneDNN's AVX-512 fp32 GEMM over the dequantized weights, on a CPU of
-        an AVX-512 tier, avx512-bf16 or avx512 (kernels/cpu_q8_0_linear.py gemm_choice). AMD: Zen 4 runs each 512-bit
-        FMA as two 256-bit halves, so oneDNN's AVX-512 fp32 gets no more multiply-adds a cycle than
-        AVX2, and the integer GEMM's 16 products per instruction win (1.26-1.47x there, 1.24x end to end).
+        an AVX-512 tier, avx512-bf16 or avx512 (kernels/cpu_q8_0_linear.py gemm_choice). AMD: Zen 4
+        runs each 512-bit FMA as two 256-bit halves, so oneDNN's AVX-512 fp32 gets no more
+        multiply-adds a cycle than AVX2, and the integer GEMM's 16 products per instruction win
+        (1.26-1.47x there, 1.24x end to end).
         Intel's AVX-512 FMAs are full width: the integer GEMM ran 0.74-1.16x there (session 15)."""
         return self.is_amd
 

@@ -31,7 +31,8 @@ def _features(flags: str, machine: str = "x86_64") -> CpuFeatures:
     return CpuFeatures(machine=machine, model_name="test", flags=frozenset(flags.split()))
 
 
-@pytest.mark.parametrize("flags,want", [(ZEN4, ["avx512-bf16", "avx512", "avx2", "portable"]), (ZEN3, ["avx2", "portable"]),
+@pytest.mark.parametrize("flags,want", [(ZEN4, ["avx512-bf16", "avx512", "avx2", "portable"]),
+                                        (ZEN3, ["avx2", "portable"]),
                                         (INTEL_AMX, ["avx512-bf16", "avx512", "avx2", "portable"]),
                                         (CASCADE_LAKE, ["avx512", "avx2", "portable"]),
                                         (KNIGHTS_LANDING, ["avx2", "portable"]), (OLD_X86, ["portable"])],

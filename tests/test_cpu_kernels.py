@@ -238,7 +238,8 @@ def test_gemm_library_follows_the_cpu(monkeypatch):
     assert gemm_libraries.default_backend(torch.bfloat16, amd, bf16_tier).name == (zen.name if zen else "onednn")
     assert gemm_libraries.default_backend(torch.float32, amd, portable) is gemm_libraries.ONEDNN
     # AVX-512 without avx512_bf16 (Intel Cascade Lake): fp32 in oneDNN's AVX-512 kernels, not the AVX2 GEMM
-    cascade = cpu_features.CpuFeatures("x86_64", "Intel Xeon Gold 6248", frozenset({"avx512f", "avx512bw"}), "GenuineIntel")
+    cascade = cpu_features.CpuFeatures("x86_64", "Intel Xeon Gold 6248", frozenset({"avx512f", "avx512bw"}),
+                                       "GenuineIntel")
     assert gemm_libraries.default_backend(torch.float32, cascade, cpu_features.AVX512) is gemm_libraries.ONEDNN
     if avx2.runs_on(cpu_features.detect()):
         kernels = cpu_native.load(avx2)

@@ -29,7 +29,8 @@ SHAPES = [(64, 3), (64, 7), (128, 2), (32, 1), (96, 12), (48, 3), (16, 2)]
 
 def _attention_error(native, case, variant, head_dim=64, group=3, threads=2, kv_heads=2):
     dtype = variant[0]
-    query, key_cache, value_cache, attn, _ = random_step(case, variant, num_kv_heads=kv_heads, group=group, head_dim=head_dim)
+    query, key_cache, value_cache, attn, _ = random_step(case, variant, num_kv_heads=kv_heads, group=group,
+                                                         head_dim=head_dim)
     scale = head_dim ** -0.5
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
     got = native.paged_attention(query, key_cache, value_cache, attn, scale, threads)
@@ -63,7 +64,8 @@ def test_native_attention_same_rows_whatever_the_thread_count(native, variant, t
 def test_native_attention_never_reads_unowned_slots(native, any_variant, block_size):
     # Slots past each request's length and blocks no request owns may hold anything (the cache is
     # allocated with torch.empty): NaN there must not reach the output.
-    query, key_cache, value_cache, attn, scale = random_step(([2, 13, 30], [1, 1, 7], block_size), any_variant, head_dim=64)
+    query, key_cache, value_cache, attn, scale = random_step(([2, 13, 30], [1, 1, 7], block_size), any_variant,
+                                                             head_dim=64)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
     for r, n in enumerate(attn.seq_lens_list):
         last = int(attn.block_tables[r][(n - 1) // block_size])
