@@ -86,8 +86,9 @@ def test_packed_linear_matches_f_linear(rows, bias, backend, dtype, weights):
 
 
 # The most rows the small-rows kernel takes where the GEMM library multiplies an fp32 copy of
-# narrower stored weights, per tier, as measured end to end (PackedLinear's NOTE).
-WIDER_ROWS = {"avx512-bf16": 16, "avx2": 32, "portable": 16}
+# narrower stored weights, per tier, as measured end to end (PackedLinear's NOTE); lanes16 is the
+# tests' 16-lane plain-C build (conftest.py), at the default.
+WIDER_ROWS = {"avx512-bf16": 16, "avx512": 16, "avx2": 32, "portable": 16, "lanes16": 16}
 
 
 @pytest.mark.parametrize("dtype,weights,wider", [
@@ -97,15 +98,14 @@ WIDER_ROWS = {"avx512-bf16": 16, "avx2": 32, "portable": 16}
     pytest.param(torch.float32, torch.bfloat16, True, id="fp32-bf16w"),
     pytest.param(torch.float32, "q8_0-float", True, id="fp32-q8_0w-float-gemm"),
     pytest.param(torch.float32, "q8_0-integer", False, id="fp32-q8_0w-integer-gemm")])
-def test_small_rows_kernel_takes_the_rows_where_it_beats_the_gemm(dtype, weights, wider, monkeypatch):
+def test_small_rows_kernel_takes_the_rows_where_it_beats_the_gemm(dtype, weights, wider, native, monkeypatch):
     # PackedLinear's NOTE: up to WIDER_ROWS[tier] rows where the GEMM library multiplies an fp32 copy
     # of narrower stored weights (it streams twice the bytes or more), else up to 4; one row more
-    # takes the GEMM.
+    # takes the GEMM. Every tier this CPU runs (conftest.py's `native`), not only the selected one.
     from vbatch.kernels import cpu_native, cpu_q8_0_linear
-    native = _native()
     stored = torch.int8 if isinstance(weights, str) else weights
-    if native is None or not native.has_small_linear(dtype, stored):
-        pytest.skip("no small-rows kernel for these rows and weights in this build")
+    if not native.has_small_linear(dtype, stored):
+        pytest.skip(f"the {native.tier.name} build has no small-rows kernel for these rows and weights")
     most = WIDER_ROWS[native.tier.name] if wider else 4
     torch.manual_seed(most)
     linear = nn.Linear(64, 48).to(dtype)
