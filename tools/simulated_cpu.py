@@ -12,7 +12,7 @@ KIND: zen3 (AVX2 + FMA + F16C), cascade-lake (AVX-512 without avx512_bf16, Intel
   KIND's kernels, and takes KIND's choices (vendor: zentorch, the weight-stream prefetch, the Q8_0
   GEMM). The parser tests then read that file too: nothing in vbatch is patched.
 - torch, oneDNN and MKL ask the CPU itself (cpuid), so they are held to KIND's instruction set with
-  their own variables (HOLDS), as bench/peers.py's stand-ins are.
+  their own variables (CpuKind.holds), as bench/peers.py's stand-ins are.
 - The C compiler's -march=native still sees this CPU, so KIND's SIMD flags must be a subset of this
   CPU's (checked: the code built for KIND must run here). A Zen 4 can stand in for all three kinds.
 Exits with the command's status; 2 when KIND cannot be simulated here (the reason on stderr).
@@ -102,17 +102,19 @@ def run(kind_name: str, command: list[str], cwd: Path) -> int:
     kind = KINDS[kind_name]
     if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
         raise CannotSimulate("needs Linux and util-linux's unshare")
-    fake = Path(tempfile.mkdtemp(prefix="vbatch-cpuinfo-")) / "cpuinfo"
-    fake.write_text(rewrite_cpuinfo(Path("/proc/cpuinfo").read_text(), kind))
+    text = rewrite_cpuinfo(Path("/proc/cpuinfo").read_text(), kind)
     # root: a mount namespace; otherwise a user namespace mapping us to root inside it
     unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-m", "-r"]
-    probe = subprocess.run(unshare + ["mount", "--bind", str(fake), "/proc/cpuinfo"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        raise CannotSimulate(f"cannot bind-mount over /proc/cpuinfo here: {probe.stderr.strip() or probe.returncode}")
     env = os.environ | kind.holds
     env.pop("VBATCH_CPU_TIER", None)   # the tier must come from the simulated flags
-    script = 'mount --bind "$0" /proc/cpuinfo && exec "$@"'
-    return subprocess.run(unshare + ["sh", "-c", script, str(fake)] + command, cwd=cwd, env=env).returncode
+    with tempfile.TemporaryDirectory(prefix="vbatch-cpuinfo-") as folder:
+        fake = Path(folder) / "cpuinfo"
+        fake.write_text(text)
+        probe = subprocess.run(unshare + ["mount", "--bind", str(fake), "/proc/cpuinfo"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise CannotSimulate(f"cannot bind-mount over /proc/cpuinfo here: {probe.stderr.strip() or probe.returncode}")
+        script = 'mount --bind "$0" /proc/cpuinfo && exec "$@"'
+        return subprocess.run(unshare + ["sh", "-c", script, str(fake)] + command, cwd=cwd, env=env).returncode
 
 
 def main() -> int:
