@@ -36,7 +36,8 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
     steps = f", up to {report['decode_steps']} decode steps a call" if report.get("decode_steps", 1) > 1 else ""
     huge = ", weights and KV cache on huge pages" if report.get("huge_pages") else ""
     huge += f", {report['torch_huge_pages']}" if report.get("torch_huge_pages") else ""
-    lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {report['threads']} threads{wait}{gemm}{steps}"
+    threads = report.get("thread_budget") or f"{report['threads']} threads"
+    lines = [f"model {report['model']} ({report['dtype']}{weights}{tier}, {threads}{wait}{gemm}{steps}"
              f"{huge}), "
              f"engine built in {report['engine_build_s']:.1f} s (not timed)"]
     if report.get("compile_description"):
@@ -160,9 +161,11 @@ def throughput(
                             vocab_size=vocab_size, excluded_ids=special_token_ids(tokenizer), seed=seed,
                             dataset=dataset)
     resolved_dtype = str(llm.engine.dtype).removeprefix("torch.")
+    budget = llm.engine.runner.threads   # CPU: the team, fewer while other processes are busy (engine/cpu_threads.py)
     report: dict[str, Any] = {
         "system": "vbatch", "version": __version__, "model": model, "dtype": resolved_dtype,
-        "threads": torch.get_num_threads(), "engine_build_s": build_s, "dataset": dataset,
+        "threads": torch.get_num_threads() if budget is None else budget.configured, "engine_build_s": build_s,
+        "dataset": dataset,
         "input_len": str(lengths), "output_len": output_len, "seed": seed, "prompts_digest": prompts_digest(prompts),
         "torch": torch.__version__, "python": platform.python_version(),
     }
@@ -191,8 +194,10 @@ def throughput(
     else:
         _echo(f"throughput: {len(prompts)} prompts ({lengths} tokens) x {output_len} output tokens ...")
         report["throughput"] = run_throughput(llm, prompts, output_len).to_dict()
+    if budget is not None:   # the team's size over the run
+        report["thread_budget"] = budget.describe()
     if ceilings:
-        report["ceilings"] = _ceilings(llm, resolved_dtype, torch.get_num_threads(), report)
+        report["ceilings"] = _ceilings(llm, resolved_dtype, report["threads"], report)
     for line in _summary_lines(report):
         typer.echo(line)
     if json_file is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from ..kernels.ops import Ops, get_ops
 from ..kernels.q8_0 import QuantizationError
 from .compile_times import CompileTimes, native_load
 from .config import EngineConfig
+from .cpu_threads import ThreadBudget, cpu_thread_count
 from .cuda_graphs import capture_decode_graphs
 from .device import resolve_kv_cache_dtype, resolve_weight_dtype
 from .errors import ConfigError
@@ -34,22 +34,6 @@ from .scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger("vbatch.engine")
 
 _CPU_DEFAULT_KV_BYTES = 4 * 2**30
-
-
-def cpu_thread_count(requested: int | None) -> int:
-    """Threads for torch on CPU: the request, else $VBATCH_NUM_THREADS, else the cores we may use.
-
-    Set explicitly because torch's default follows the machine, not this process's affinity
-    mask, and oversubscribed GEMM threads on a shared machine are erratic (REFERENCE 8)."""
-    if requested is not None:
-        return requested
-    env = os.environ.get("VBATCH_NUM_THREADS")
-    if env and env.isdigit() and int(env) >= 1:
-        return int(env)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 class ModelRunner:
@@ -82,8 +66,9 @@ class ModelRunner:
         self.cuda_graphs = None  # engine/cuda_graphs.DecodeGraphs once the KV cache exists (CUDA + Triton)
         self.warmup_seconds = 0.0
         self.huge_pages = False  # CPU: the weights and KV cache are on huge pages (load_model)
-        if device.type == "cpu":
-            torch.set_num_threads(cpu_thread_count(config.model.num_threads))
+        # CPU: the team of threads, fewer while other processes keep our cores busy (engine/cpu_threads.py).
+        self.threads = (ThreadBudget(cpu_thread_count(config.model.num_threads), torch.set_num_threads)
+                        if device.type == "cpu" else None)
 
     # ------------------------------------------------------------------ start-up
     def load_model(self) -> None:
@@ -237,6 +222,8 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.request_generators.pop(request_id, None)
+        if self.threads is not None:
+            self.threads.before_step()
         inputs = prepare_inputs(sched, self.block_size, self.device)
         if sched.num_steps > 1:
             return self._execute_decode_steps(sched, inputs)

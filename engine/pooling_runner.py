@@ -20,9 +20,9 @@ import torch
 from ..kernels.ops import Ops, get_ops
 from .compile_times import CompileTimes, native_load
 from .config import EngineConfig
+from .cpu_threads import ThreadBudget, cpu_thread_count
 from .encoder_inputs import prepare_encoder_batch
 from .errors import ConfigError
-from .model_runner import cpu_thread_count
 from .models.pooling_config import PoolerConfig, read_pooler_config
 from .models.registry import get_model_class
 from .models.weights import iter_weights
@@ -56,8 +56,9 @@ class PoolingModelRunner:
         self.load_seconds = 0.0
         self.load_started = 0.0  # perf_counter() when load_model began
         self.takes_tensors = False
-        if device.type == "cpu":
-            torch.set_num_threads(cpu_thread_count(config.model.num_threads))
+        # CPU: the team of threads, fewer while other processes keep our cores busy (engine/cpu_threads.py).
+        self.threads = (ThreadBudget(cpu_thread_count(config.model.num_threads), torch.set_num_threads)
+                        if device.type == "cpu" else None)
 
     def load_model(self) -> None:
         t0 = self.load_started = time.perf_counter()
@@ -105,6 +106,8 @@ class PoolingModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.threads is not None:
+            self.threads.before_step()
         if self.takes_tensors:
             results = self._execute_tensors(sched)
         else:

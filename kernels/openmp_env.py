@@ -21,6 +21,9 @@ Sleeping much sooner (0-1,000 spins, or OMP_WAIT_POLICY=passive) is far worse: t
 inside a step then sleep too. Intel's runtime is tuned the same way by its users (KMP_BLOCKTIME=1).
 A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone, and so is every other OpenMP
 runtime (they ignore the variable).
+Spinning assumes each team thread has its core: when another process takes one, every barrier waits
+for the scheduler to give that thread its turn (batch 1 3.6-8.6x slower). No wait policy fixes
+that without costing quiet runs; the engine shrinks the team instead (engine/cpu_threads.py).
 """
 from __future__ import annotations
 

@@ -140,6 +140,8 @@ def test_bench_throughput_cli_tiny_run(tmp_path):
     assert r["output_tokens_per_s"] == pytest.approx(16 / r["elapsed_s"])
     assert r["prefill_phase_s"] + r["decode_phase_s"] == pytest.approx(r["elapsed_s"])
     assert report["threads"] == 1 and report["dataset"] == "random" and report["input_len"] == "16"
+    # the team over the run (engine/cpu_threads.py): one thread has nothing to give up
+    assert report["thread_budget"] == "1 thread" and ", 1 thread," in result.output
     # what start-up compiled is reported (this CPU path: the native C kernels, or inductor without them)
     compiled = report["compile"]
     assert compiled["cuda_graphs_s"] is None
