@@ -131,16 +131,11 @@ def worker_env(threads: int) -> dict:
     return env
 
 
-def _busy_cpu_seconds() -> float:
-    """CPU seconds every process on the machine has spent busy since boot (/proc/stat)."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _children_cpu_seconds() -> float:
+def _cpu_reading():
+    """Busy time on this process's CPUs, and its finished children's own (the run just waited for)."""
+    from vbatch.engine.cpu_threads import allowed_cpus, read_cpu_times
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return read_cpu_times(allowed_cpus(), own_seconds=usage.ru_utime + usage.ru_stime)
 
 
 RUN_TIMEOUT_S = 1800.0
@@ -168,7 +163,7 @@ def timed_run(cmd: list[str], priority: list[str], env: dict, log: Path) -> tupl
     with log.open("w") as f:
         rc = _run_session(priority + cmd, env, f)
     wall = time.perf_counter() - t0
-    others = max(0.0, (_busy_cpu_seconds() - busy0) - (_children_cpu_seconds() - mine0)) / wall
+    others = others_busy(reading0, _cpu_reading())
     return rc, wall, before, f"{loadavg()} (others busy: {others:.2f} cores)"
 
 
