@@ -157,9 +157,10 @@ def _run_session(cmd: list[str], env: dict, log) -> int:
 
 def timed_run(cmd: list[str], priority: list[str], env: dict, log: Path) -> tuple[int, float, str, str]:
     """Run `cmd` in its own session; the 'after' load also says how many cores *other* processes kept
-    busy meanwhile (machine busy time minus this run's own CPU time, over the wall time)."""
+    busy meanwhile (busy time on our CPUs less this run's own, over the time passed: engine/cpu_threads.py)."""
+    from vbatch.engine.cpu_threads import others_busy
     before = loadavg()
-    busy0, mine0, t0 = _busy_cpu_seconds(), _children_cpu_seconds(), time.perf_counter()
+    reading0, t0 = _cpu_reading(), time.perf_counter()
     with log.open("w") as f:
         rc = _run_session(priority + cmd, env, f)
     wall = time.perf_counter() - t0

@@ -3,6 +3,8 @@ and the command itself on a tiny real run. Nothing here asserts a speed."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -202,6 +204,17 @@ def _record(system, variant, rep, out_tok_s, decode=None, lat_decode=None):
     return {"system": system, "variant": variant, "tag": f"{system}-{variant}-r{rep}", "repeat": rep,
             "load": [["1.0 1.0 1.0", "1.1 1.0 1.0"]],
             "result": {"system": system, "version": "x", "dtype": "bfloat16", "throughput": tput, "latency": lat}}
+
+
+def test_peers_timed_run_leaves_the_runs_own_cpu_time_out_of_others_load(tmp_path):
+    # A run that keeps a core busy for 1 s: its own time is not other processes' load.
+    peers = _bench_script("peers")
+    busy = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\n"
+    rc, wall, before, after = peers.timed_run([sys.executable, "-c", busy], [], dict(os.environ),
+                                              tmp_path / "run.log")
+    assert rc == 0 and wall >= 1.0
+    others = float(after.split("(others busy: ")[1].split()[0])
+    assert 0.0 <= others < 0.5, after
 
 
 def test_peers_resume_reuses_the_finished_runs_and_refuses_another_spec(tmp_path, monkeypatch):
