@@ -172,10 +172,11 @@ class ThreadBudget:
 
     def describe(self) -> str:
         """E.g. "2 threads (fewer while other processes load these CPUs: none did)", or
-        "2 threads, 1 at the least (3 changes for other processes' load)"."""
+        "2 threads, 1 at the least (1 change for other processes' load)"."""
         team = f"{self.configured} thread{'s' if self.configured > 1 else ''}"
         if not self.enabled:
             return team
         if not self.changes:
             return f"{team} (fewer while other processes load these CPUs: none did)"
-        return f"{team}, {self.least} at the least ({len(self.changes)} changes for other processes' load)"
+        n = len(self.changes)
+        return f"{team}, {self.least} at the least ({n} change{'s' if n > 1 else ''} for other processes' load)"
