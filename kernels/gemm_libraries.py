@@ -30,8 +30,10 @@ choice measured by bench/gemm_backends.py on the model's shapes:
     kernel got. Session 24 sized its k block to the L2 (kernels/csrc/vb_blocking.h; 256 before): on
     Zen 4 held to AVX2 it then ran 0.95-0.98x oneDNN's time at 256-8,192 rows, and the 256-prompt
     run went 196.5 / 180.9 output tok/s against oneDNN's 186.7 / 165.1 (ABBA, VBATCH_GEMM=native).
-    Zen 4 only stands in for the AVX2 CPUs this tier is for: a race on Zen 3 (bench/gemm_backends.py,
-    VBATCH_GEMM=onednn against the default) is still owed; the memory it saves holds on any CPU.
+    On Zen 3 itself (session 32, docs/performance/avx2-zen3.md "Zen 3 a third time") it ran 1.44x /
+    1.25x / 1.18x / 1.09x oneDNN's GFLOP/s at 16 / 64 / 256 / 2,048 rows, the fastest library there
+    up to 256 rows, and the 256-prompt run went 1.02x (ABBA against VBATCH_GEMM=onednn, a tie within
+    the noise); the memory it saves holds on any CPU.
     It also has a gated GEMM (`GemmBackend.gated`, cpu_gemm.c gemm_gated): a gated MLP's gate and up
     projections in one pass, SiLU-and-mul in its epilogue (cpu_linear.PackedGateUp), since session 27.
 VBATCH_GEMM=onednn|zentorch|mkl|native overrides the choice (VBATCH_ZENTORCH=0 keeps zentorch out; it
