@@ -21,8 +21,9 @@ fewer than one thread nor more than the configured count or the CPUs in the mask
 fixed team). A reading (/proc/stat and os.times) costs ~0.1 ms on a loaded 2-CPU VM, every 0.5 s at most.
 Another vbatch process is another process: two shards started with all cores each settle at half each.
 The kernels split work, not sums, between threads where it was measured: the avx2 tier's greedy tokens
-and logprobs were bitwise the same with 1 and 2 threads, so a run whose team changes gives a quiet
-run's tokens (tests/test_cpu_threads.py checks it beside a busy process).
+and logprobs were bitwise the same with 1 and 2 threads (1, 2 and 5 prompts x 64 tokens: attention
+then splits its items by heads at one count and not the other), so a run whose team changes gives a
+quiet run's tokens (tests/test_cpu_threads.py checks it beside a busy process, on every CPU kind).
 """
 from __future__ import annotations
 

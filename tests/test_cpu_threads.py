@@ -197,6 +197,9 @@ def test_engine_gives_a_busy_core_up_and_keeps_its_tokens(monkeypatch, smollm2_p
                 busy.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
                 if budget.threads == 1:
                     break
+            # one whole run on the one thread (the switch above may have come late in its run)
+            busy.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            assert budget.threads == 1, budget.changes
         finally:
             spinner.kill()
             spinner.wait()
