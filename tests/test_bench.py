@@ -502,3 +502,28 @@ def test_gemm_builds_script_races_the_gemms(kernel):
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if " rows: " in line]
     assert len(lines) == 2 and all(line.endswith("outputs identical: True") for line in lines), done.stdout
+
+
+@pytest.mark.slow
+def test_small_rows_limit_script_races_engines_that_differ_in_the_limit():
+    # Two engines of the real model in one process, fp32 (the wider case on every fp32 tier); the
+    # limits reach the fused decoder layers, and each limit gets its rounds and a token check.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vbatch.kernels import cpu_native
+    script = Path(__file__).resolve().parents[1] / "bench" / "small_rows_limit.py"
+    done = subprocess.run([sys.executable, str(script), "--limits", "4,8", "--num-prompts", "6", "--rounds", "2",
+                           "--input-len", "16-32", "--output-len", "8", "--threads", "1", "--dtype", "float32",
+                           "--kv-cache-memory", "64MiB"], capture_output=True, text=True, timeout=600)
+    if cpu_native.load() is None:   # no native kernels: the script says there is nothing to race
+        assert done.returncode != 0 and "no native small-rows linears" in done.stderr, done.stderr[-2000:]
+        return
+    assert done.returncode == 0, done.stderr[-2000:]
+    for limit in (4, 8):
+        said = f"limit {limit}: the fused decoder layers take up to {limit} rows, the multi-step decodes up to {limit}"
+        assert said in done.stderr, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 6 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["4", "8"], done.stdout
+    assert rows[0].split("|")[5].strip() == "1.000x" and "of 2" in rows[1] and "of 6" in rows[1], done.stdout
