@@ -93,7 +93,6 @@ AVX2 = CpuTier(
     bf16_compute=False,
     description="AVX2 + FMA + F16C: fp32 arithmetic, fp16-stored weights widened in registers",
     q8_0_integer_gemm=True,
-    small_rows_wider=32,
     native_gemm=True,
 )
 PORTABLE = CpuTier(

@@ -88,25 +88,28 @@ class PackedLinear(nn.Module):
     4, whole model, 2 threads; 1.7x at 1-2 rows, 1.2x at 4, slower from 8). The price is that second
     copy of the weights (for a bf16 model the tied logits head shares the embedding's storage).
 
-    NOTE: why `small_rows` is the tier's `small_rows_wider` (kernels/cpu_features.py: 32 on the avx2
-    tier, 16 on the others) where the library multiplies a wider copy of the weights than the kernel
-    reads (an fp32 model with fp16, bf16 or Q8_0 storage: the avx2 tier's default), else SMALL_ROWS.
+    NOTE: why `small_rows` is the tier's `small_rows_wider` (kernels/cpu_features.py: 16 on every
+    tier) where the library multiplies a wider copy of the weights than the kernel reads (an fp32 model
+    with fp16, bf16 or Q8_0 storage: the avx2 tier's default), else SMALL_ROWS.
     There oneDNN streams 4 bytes per weight, twice fp16's, and stays bound by memory well past 4 rows.
-    (Since session 26 the avx2 tier's GEMM is vbatch's own over the fp16 weights, kernels/
-    gemm_libraries.py; against it 32 rows still ran 1.03x the speed of 16 at 32 prompts.) The limit
-    also sets the rows the fused decoder layer and the multi-step decodes take (kernels/
+    The limit also sets the rows the fused decoder layer and the multi-step decodes take (kernels/
     cpu_native_ops.py), which save the Python between ops: so it is decided end to end, not by the
-    linears alone. Measured on Zen 4 (2 threads; docs/performance/avx2-on-zen4.md "Decode at 5-16 requests" and
-    "The small-rows limit per tier"):
+    linears alone (`python bench/small_rows_limit.py`). Measured on Zen 4 (2 threads; docs/performance/
+    avx2-on-zen4.md "Decode at 5-16 requests" and "The small-rows limit per tier"):
       - linears alone (SmolLM2-135M's 121 matrices in turn, one process alternating, oneDNN ms / kernel
         ms), avx2 tier held to AVX2, fp16 weights: 4 rows 33.6 / 12.5 (2.7x), 8 rows 36.5 / 19.5
         (1.9x), 16 rows 46.0-47.4 / 34.6-35.7 (1.3x), 24 rows 1.07-1.13x, 32 rows 0.93-1.02x, 48 rows
         0.94x. avx512-bf16 tier (oneDNN in AVX-512), fp16 / bf16 weights: 12 rows 1.05x, 16 rows
         0.98x / 0.93x. portable tier, bf16 weights, oneDNN held to SSE4.1 (as 128-bit NEON): 8 rows
-        1.24x, 16 rows 0.92x.
+        1.24x, 16 rows 0.92x. On Zen 3 (session 32) against vbatch's own GEMM over the fp16 weights,
+        GEMM time / kernel time: 8 rows 1.02x, 16 rows 0.84x, 24 rows 0.72x, 32 rows 0.74x.
       - end to end (`LLM`s with different limits in one process, prompts of 128-512 tokens, 128 out,
-        output tok/s): avx2 tier, 32 against 16: 24 prompts 1.15x, 32 prompts 1.04x (6 of 6 rounds),
-        48 against 32 at 48 prompts 1.00x. avx512-bf16 tier, fp16 weights: 16 against 12 at 16
+        output tok/s): avx2 tier, 32 against 16 (session 26, against oneDNN's GEMM): 24 prompts 1.15x,
+        32 prompts 1.04x (6 of 6 rounds), 48 against 32 at 48 prompts 1.00x; against vbatch's own
+        GEMM when it came (session 26) 1.03x at 32 prompts. After that GEMM's prefetch and the gated
+        GEMM (session 27), session 33 (avx2 held): 16 against 32 at 24 prompts 1.066x in two runs (6
+        of 6 and 4 of 4 rounds), at 32 prompts 1.046x (6 of 6); 8 against 32 at 24 prompts 1.041x; at
+        12 prompts all three within 1%. So 16 there too. avx512-bf16 tier, fp16 weights: 16 against 12 at 16
         prompts 1.05x (6 of 6 rounds), 32 against 16 at 32 prompts 0.95-1.08x (not kept). portable
         (SSE4.1 hold): 16 against 4 at 8 prompts 1.24x, at 16 prompts 1.06x.
     For the same bytes (bf16 weights under zentorch's bf16 GEMM on Zen 4): 4 rows 1.11x, 5 rows 0.87x,

@@ -25,7 +25,7 @@ def test_fused_decoder_layer_equals_the_layer_op_by_op(native, name, act, weight
     # Oracle: the same model running its layers' forward (the native ops one by one, each tested
     # against its reference above). The fused layer composes the same kernels, so the logits must
     # be identical, not just close, at every row count it takes: 1-4, and up to the tier's
-    # small_rows_wider (16 or 32) where the linears' GEMM would multiply an fp32 copy of narrower
+    # small_rows_wider (16 on every tier) where the linears' GEMM would multiply an fp32 copy of narrower
     # weights (cpu_linear.PackedLinear.small_rows); one row more must take the layer forward.
     from test_llama_model import CONFIGS, PagedBatch, prompts
     from transformers import AutoModelForCausalLM
