@@ -527,3 +527,14 @@ def test_small_rows_limit_script_races_engines_that_differ_in_the_limit():
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 6 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["4", "8"], done.stdout
     assert rows[0].split("|")[5].strip() == "1.000x" and "of 2" in rows[1] and "of 6" in rows[1], done.stdout
+
+
+def test_commits_script_refuses_a_commit_it_does_not_know():
+    # bench/commits.py installs the other commit before any run: a bad name stops it at once, named.
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "bench" / "commits.py"
+    done = subprocess.run([sys.executable, str(script), "--against", "no-such-commit-here"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "--against no-such-commit-here: not a commit of this repository" in done.stderr
