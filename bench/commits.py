@@ -64,6 +64,26 @@ def run(vbatch: Path, flags: list[str], out: Path, priority: list[str]) -> dict:
     return json.loads(out.read_text())
 
 
+def table(workload: str, by_name: dict[str, list[dict]]) -> str:
+    """The markdown table of one workload's runs (`by_name`: this checkout's reports first, then the
+    other commit's, pair by pair), with the medians, this checkout's median over the other's, and
+    the ratio in each pair."""
+    key = "throughput" if workload == "throughput" else "latency"
+    lines = ["| commit | output tok/s | prefill phase s | decode phase s | median output tok/s |", "|---|---|---|---|---:|"]
+    rates, medians = {}, {}
+    for name, reports in by_name.items():
+        rates[name] = [r[key]["output_tokens_per_s"] for r in reports]
+        medians[name] = statistics.median(rates[name])
+        phases = [(r[key].get("prefill_phase_s"), r[key].get("decode_phase_s")) for r in reports]
+        pre = ", ".join(f"{p:.1f}" for p, _ in phases if p is not None) or "-"
+        dec = ", ".join(f"{d:.1f}" for _, d in phases if d is not None) or "-"
+        lines.append(f"| {name} | {', '.join(f'{v:.1f}' for v in rates[name])} | {pre} | {dec} | {medians[name]:.1f} |")
+    here, other = list(by_name)
+    pairs = ", ".join(f"{a / b:.3f}" for a, b in zip(rates[here], rates[other]))
+    lines.append(f"\n{here} ÷ {other}: **{medians[here] / medians[other]:.3f}x** (medians; pair by pair {pairs})\n")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -113,19 +133,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(A B, B A, ...), {args.threads} threads, from {started}.\n")
     for workload, by_name in results.items():
         print(f"**{workload}** (`vbatch bench throughput {' '.join(workloads[workload])}`)\n")
-        print("| commit | output tok/s | prefill phase s | decode phase s | median output tok/s |")
-        print("|---|---|---|---|---:|")
-        medians = {}
-        for name in names:
-            reports = by_name[name]
-            key = "throughput" if workload == "throughput" else "latency"
-            rates = [r[key]["output_tokens_per_s"] for r in reports]
-            medians[name] = statistics.median(rates)
-            phases = [(r[key].get("prefill_phase_s"), r[key].get("decode_phase_s")) for r in reports]
-            pre = ", ".join(f"{p:.1f}" for p, _ in phases if p is not None) or "-"
-            dec = ", ".join(f"{d:.1f}" for _, d in phases if d is not None) or "-"
-            print(f"| {name} | {', '.join(f'{v:.1f}' for v in rates)} | {pre} | {dec} | {medians[name]:.1f} |")
-        print(f"\nthis checkout ÷ {other[:7]}: **{medians[names[0]] / medians[names[1]]:.3f}x**\n")
+        print(table(workload, by_name))
     print(f"runs: {runs_dir}")
     return 0
 

@@ -538,3 +538,18 @@ def test_commits_script_refuses_a_commit_it_does_not_know():
     done = subprocess.run([sys.executable, str(script), "--against", "no-such-commit-here"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--against no-such-commit-here: not a commit of this repository" in done.stderr
+
+
+def test_commits_table_gives_medians_and_each_pairs_ratio():
+    # Hand-computed: medians 110 and 100 -> 1.100x; pairs 90/100, 110/100, 120/100.
+    commits = _bench_script("commits")
+    reports = {"this checkout": [{"throughput": {"output_tokens_per_s": v, "prefill_phase_s": 3.0, "decode_phase_s": 2.0}}
+                                 for v in (90.0, 110.0, 120.0)],
+               "388b602": [{"throughput": {"output_tokens_per_s": 100.0, "prefill_phase_s": 3.5, "decode_phase_s": 2.5}}
+                           for _ in range(3)]}
+    text = commits.table("throughput", reports)
+    assert "| this checkout | 90.0, 110.0, 120.0 | 3.0, 3.0, 3.0 | 2.0, 2.0, 2.0 | 110.0 |" in text
+    assert "this checkout ÷ 388b602: **1.100x** (medians; pair by pair 0.900, 1.100, 1.200)" in text
+    latency = {name: [{"latency": {"output_tokens_per_s": r["throughput"]["output_tokens_per_s"]}} for r in runs]
+               for name, runs in reports.items()}
+    assert "| 388b602 | 100.0, 100.0, 100.0 | - | - | 100.0 |" in commits.table("batch 1", latency)
