@@ -4,7 +4,7 @@ and alternated over the same prompts.
 
     python bench/small_rows_limit.py [--limits 16,32] [--num-prompts 24,32] [--input-len 128-512]
                                      [--output-len 128] [--rounds 6] [--threads 2] [--dtype auto]
-                                     [--model smollm2-135m-instruct]
+                                     [--model smollm2-135m-instruct] [--quantization q8_0]
 
 The limit is `CpuTier.small_rows_wider` (kernels/cpu_features.py), which PackedLinear takes where the
 GEMM library multiplies a wider copy of the weights than the kernel streams (an fp32 model with fp16,
@@ -39,11 +39,13 @@ def ints(text: str) -> list[int]:
 
 def set_limit(llm, limit: int) -> int:
     """Every native linear of `llm`'s model takes up to `limit` rows in the small-rows kernel; the
-    fused layers' cached state is dropped so it is rebuilt for that limit. Returns the linears set."""
+    fused layers' cached state is dropped so it is rebuilt for that limit, and the scheduler told.
+    Returns the linears set; `llm.own_small_rows` keeps the limits they had."""
     from vbatch.kernels.cpu_linear import PackedLinear
 
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.small_rows > 0]
+    llm.own_small_rows = sorted({m.small_rows for m in linears})   # what the engine chose itself
     for m in linears:
         m.small_rows = limit
     for m in model.modules():
@@ -69,7 +71,8 @@ def build(args, limit: int, max_model_len: int):
 
     kwargs = engine_kwargs(dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=None,
                            max_num_batched_tokens=None, kv_cache_memory=args.kv_cache_memory,
-                           enable_prefix_caching=False, seed=0, generation_config="vllm", device="cpu")
+                           enable_prefix_caching=False, seed=0, generation_config="vllm", device="cpu",
+                           quantization=args.quantization)
     kwargs.update(quiet=True, num_threads=args.threads)
     llm = load_llm(args.model, kwargs)
     n = set_limit(llm, limit)
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="the model dtype (auto: the tier's; float32 on avx2)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--quantization", default=None, help="q8_0: Q8_0 weights (their limit is 4 rows, kernels/cpu_q8_0_linear.py)")
     ap.add_argument("--kv-cache-memory", default="1GiB", help="each engine's KV cache")
     args = ap.parse_args(argv)
 
@@ -107,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     tier = ops.cpu_tier.name if ops.cpu_tier is not None else "none"
     weights = ops.quantization or str(ops.weight_dtype or first.engine.dtype).removeprefix("torch.")
     say(f"tier {tier}, model dtype {str(first.engine.dtype).removeprefix('torch.')}, weights {weights}, "
-        f"{args.threads} threads; the tier's own limit: "
-        f"{ops.cpu_tier.small_rows_wider if ops.cpu_tier is not None else '-'}")
+        f"{args.threads} threads; the engine's own limit: {'/'.join(map(str, first.own_small_rows))}")
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     vocab = int(first.engine.hf_config.vocab_size)
     excluded = special_token_ids(first.get_tokenizer())

@@ -92,7 +92,11 @@ class PackedQ8_0Linear(PackedLinear):
 
         NOTE: the integer GEMM reads 2 bytes per weight against the kernel's 17/16 and multiplies
         faster, so from 5 rows it wins. Zen 4 held to AVX2 (as PackedLinear's NOTE, GEMM ms / kernel
-        ms): 4 rows 11.4 / 11.2, 5 rows 12.2 / 15.7, 8 rows 16.2 / 19.4, 16 rows 23.1 / 35.9."""
+        ms): 4 rows 11.4 / 11.2, 5 rows 12.2 / 15.7, 8 rows 16.2 / 19.4, 16 rows 23.1 / 35.9. End to
+        end (`bench/small_rows_limit.py --quantization q8_0`, session 33, the same hold, 5 rounds,
+        output tok/s over limit 4's): limit 2 at 4 prompts 0.77x (the fused layers and multi-step
+        decodes then stop at 2 requests), limit 8 at 4 prompts 0.99x and at 8 prompts 1.015x (3 of 5
+        rounds): a tie, so 4 stays."""
         return self.SMALL_ROWS
 
     def __init__(self, linear: nn.Linear, *, native, vnni: bool) -> None:
