@@ -24,10 +24,11 @@
 
 #include "vb_kernels.h"
 
-/* Rows of x one call takes, in passes of up to 4 over the weight: the most any CPU tier's
- * `small_rows_wider` asks (kernels/cpu_features.py; the avx2 tier's 32, measured: kernels/cpu_linear.py
- * PackedLinear's NOTE), where the caller's GEMM library multiplies a wider copy of the weights than
- * this kernel reads (fp32 over fp16, bf16 or Q8_0 storage). */
+/* Rows of x one call takes, in passes of up to 4 over the weight: at least any CPU tier's
+ * `small_rows_wider` (kernels/cpu_features.py: 16 on every tier since session 33, measured:
+ * kernels/cpu_linear.py PackedLinear's NOTE), where the caller's GEMM library multiplies a wider copy
+ * of the weights than this kernel reads (fp32 over fp16, bf16 or Q8_0 storage); 32 so that
+ * bench/small_rows_limit.py can race limits above it. */
 #define MAX_ROWS 32
 
 /* VB_PREFETCH_STREAMS: defined by the build on Intel CPUs (cpu_features.CpuFeatures.
