@@ -553,3 +553,25 @@ def test_commits_table_gives_medians_and_each_pairs_ratio():
     latency = {name: [{"latency": {"output_tokens_per_s": r["throughput"]["output_tokens_per_s"]}} for r in runs]
                for name, runs in reports.items()}
     assert "| 388b602 | 100.0, 100.0, 100.0 | - | - | 100.0 |" in commits.table("batch 1", latency)
+
+
+@pytest.mark.slow
+def test_contention_script_runs_two_processes_at_once(tmp_path):
+    # --shards: two real `vbatch bench throughput` processes started together, teams fixed then
+    # adapting; each gets its row with both processes' rates and the wall time.
+    import subprocess
+    import sys
+    from pathlib import Path
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("bench/contention.py needs two CPUs")
+    script = Path(__file__).resolve().parents[1] / "bench" / "contention.py"
+    done = subprocess.run([sys.executable, str(script), "--shards", "--num-prompts", "2", "--input-len", "16-32",
+                           "--output-len", "4", "--repeats", "1", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| two processes")}
+    assert set(rows) == {"two processes, teams fixed", "two processes, teams adapt"}, done.stdout
+    for line in rows.values():
+        rates = [float(v) for v in line.split("|")[6].split(",")]
+        assert len(rates) == 2 and min(rates) > 0, line
+    assert "teams adapting / fixed" in done.stdout and len(list(tmp_path.glob("shards-*.json"))) == 4
