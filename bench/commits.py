@@ -24,8 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PRIORITY = ["bash", "-c", 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"', "_"]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # peers.py beside this script
+from peers import probe_priority  # noqa: E402  (the high-priority session wrapper)
 
 
 def say(msg: str) -> None:
@@ -105,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     here = git("rev-parse", "HEAD") + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
     args.workdir.mkdir(parents=True, exist_ok=True)
     commands = {"this checkout": Path(sys.executable).parent / "vbatch", other[:7]: install(other, args.workdir)}
-    ok = subprocess.run(PRIORITY + ["true"], capture_output=True, start_new_session=True).returncode == 0
-    priority = PRIORITY if ok else []
-    if not ok:
-        say("cannot raise the session priority here; runs use the default priority")
+    priority = probe_priority()
     common = ["--output-len", str(args.output_len), "--threads", str(args.threads), *extra]
     workloads = {"throughput": common + ["--num-prompts", str(args.num_prompts), "--input-len", args.input_len]}
     if args.latency_iters:

@@ -41,9 +41,14 @@ def spinner(cpu: int) -> subprocess.Popen:
     return proc
 
 
-def run_case(args, busy: bool, adaptive: str, out: Path) -> dict:
+def bench_cmd(args) -> list[str]:
+    """`vbatch bench throughput` with this run's output length and threads."""
     vbatch = shutil.which("vbatch") or str(Path(sys.executable).parent / "vbatch")
-    common = [vbatch, "bench", "throughput", "--output-len", str(args.output_len), "--threads", str(args.threads)]
+    return [vbatch, "bench", "throughput", "--output-len", str(args.output_len), "--threads", str(args.threads)]
+
+
+def run_case(args, busy: bool, adaptive: str, out: Path) -> dict:
+    common = bench_cmd(args)
     cmds = {"throughput": common + ["--num-prompts", str(args.num_prompts), "--input-len", args.input_len],
             "latency": common + ["--latency", "--input-len", args.input_len.split("-")[0],
                                  "--num-iters", str(args.latency_iters)]}
@@ -73,13 +78,11 @@ def run_case(args, busy: bool, adaptive: str, out: Path) -> dict:
 def run_shards(args, adaptive: str, out: Path) -> dict:
     """Two `vbatch bench throughput` processes started at once, each configured with --threads (as two
     `vbatch run --shard` jobs started with all cores each), different prompts (seeds 0 and 1)."""
-    vbatch = shutil.which("vbatch") or str(Path(sys.executable).parent / "vbatch")
     env = dict(os.environ, VBATCH_ADAPTIVE_THREADS=adaptive)
     paths = [out.with_suffix(f".shard{s}.json") for s in (0, 1)]
+    cmd = bench_cmd(args) + ["--num-prompts", str(args.num_prompts), "--input-len", args.input_len]
     start = time.monotonic()
-    procs = [subprocess.Popen([vbatch, "bench", "throughput", "--num-prompts", str(args.num_prompts), "--input-len",
-                               args.input_len, "--output-len", str(args.output_len), "--threads", str(args.threads),
-                               "--seed", str(s), "--json", str(path)], env=env, stdout=subprocess.DEVNULL,
+    procs = [subprocess.Popen(cmd + ["--seed", str(s), "--json", str(path)], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for s, path in enumerate(paths)]
     if any(p.wait() for p in procs):
         sys.exit(f"a shard failed: {[p.returncode for p in procs]}")

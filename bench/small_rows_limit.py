@@ -37,15 +37,15 @@ def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def set_limit(llm, limit: int) -> int:
+def set_limit(llm, limit: int) -> tuple[int, ...]:
     """Every native linear of `llm`'s model takes up to `limit` rows in the small-rows kernel; the
     fused layers' cached state is dropped so it is rebuilt for that limit, and the scheduler told.
-    Returns the linears set; `llm.own_small_rows` keeps the limits they had."""
+    Returns the limits the linears had (empty: no native small-rows linear to set)."""
     from vbatch.kernels.cpu_linear import PackedLinear
 
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.small_rows > 0]
-    llm.own_small_rows = sorted({m.small_rows for m in linears})   # what the engine chose itself
+    own = tuple(sorted({m.small_rows for m in linears}))   # what the engine chose itself
     for m in linears:
         m.small_rows = limit
     for m in model.modules():
@@ -53,7 +53,7 @@ def set_limit(llm, limit: int) -> int:
             del m._vb_native_stack
     # the scheduler asked the runner once, at engine start, how many requests a multi-step decode takes
     llm.engine.scheduler.decode_steps_rows = llm.engine.runner.decode_steps_rows()
-    return len(linears)
+    return own
 
 
 def fused_rows(llm) -> str:
@@ -67,6 +67,7 @@ def fused_rows(llm) -> str:
 
 
 def build(args, limit: int, max_model_len: int):
+    """The engine with `limit`, and the limits its linears had before (set_limit)."""
     from vbatch.cli.run import engine_kwargs, load_llm
 
     kwargs = engine_kwargs(dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=None,
@@ -75,10 +76,10 @@ def build(args, limit: int, max_model_len: int):
                            quantization=args.quantization)
     kwargs.update(quiet=True, num_threads=args.threads)
     llm = load_llm(args.model, kwargs)
-    n = set_limit(llm, limit)
-    if n == 0:
+    own = set_limit(llm, limit)
+    if not own:
         raise SystemExit("this engine has no native small-rows linears (no native kernels built?): nothing to race")
-    return llm
+    return llm, own
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,16 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.limits or any(not 1 <= v <= FUSED_LAYER_MAX_ROWS for v in args.limits):
         raise SystemExit(f"--limits: each from 1 to {FUSED_LAYER_MAX_ROWS} (cpu_linear_small.c's MAX_ROWS)")
     lengths = parse_length_range(args.input_len)
-    engines = {}
+    engines, own = {}, ()
     for limit in args.limits:
         say(f"building the engine with limit {limit}")
-        engines[limit] = build(args, limit, lengths.high + args.output_len)
+        engines[limit], own = build(args, limit, lengths.high + args.output_len)
     first = engines[args.limits[0]]
     ops = first.engine.runner.ops
     tier = ops.cpu_tier.name if ops.cpu_tier is not None else "none"
     weights = ops.quantization or str(ops.weight_dtype or first.engine.dtype).removeprefix("torch.")
     say(f"tier {tier}, model dtype {str(first.engine.dtype).removeprefix('torch.')}, weights {weights}, "
-        f"{args.threads} threads; the engine's own limit: {'/'.join(map(str, first.own_small_rows))}")
+        f"{args.threads} threads; the engine's own limit: {'/'.join(map(str, own))}")
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     vocab = int(first.engine.hf_config.vocab_size)
     excluded = special_token_ids(first.get_tokenizer())
