@@ -111,10 +111,13 @@ class NativeGemms:
 
     @property
     def has_gemm_q8_0_vnni(self) -> bool:
-        """Whether the integer Q8_0 GEMM can use AVX-VNNI here: the CPU has avx_vnni and the build's
-        assembler knew it (kernels/native_build.py toolchain_defines)."""
+        """Whether the integer Q8_0 GEMM can use AVX-VNNI here: /proc/cpuinfo lists avx_vnni (where
+        vbatch reads the CPU for every other choice, kernels/cpu_features.py), and the kernel agrees:
+        its own CPUID check passes and the build's assembler knew the instruction (kernels/
+        native_build.py toolchain_defines)."""
         if "gemm_q8_0_vnni" not in self._probes:
-            ok = self.has_gemm_q8_0
+            from .cpu_features import detect
+            ok = self.has_gemm_q8_0 and detect().has("avx_vnni")
             if ok:
                 try:
                     self.gemm_q8_0(torch.zeros(1, q8_0.BLOCK), torch.zeros(17, q8_0.BLOCK, dtype=torch.int16), None, 1,
