@@ -35,8 +35,11 @@ sys.path.insert(0, str(HERE))  # peers_report.py beside this script
 from peers_report import write_report  # noqa: E402
 
 # The variables that hold torch, oneDNN and MKL to a narrower instruction set (with VBATCH_CPU_TIER,
-# an AVX-512 machine stands in for an Intel CPU without it): reported with the run when set.
-ISA_HOLD_VARIABLES = ("VBATCH_CPU_TIER", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# an AVX-512 machine stands in for a CPU without it): reported with the run when set.
+# VBATCH_Q8_0_GEMM=integer-avx2 keeps AVX-VNNI out of the Q8_0 GEMM as ONEDNN_MAX_CPU_ISA=AVX2 keeps it
+# out of oneDNN's: a Zen 4 standing in for a Zen 3 has avx_vnni, a Zen 3 has not.
+ISA_HOLD_VARIABLES = ("VBATCH_CPU_TIER", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                      "VBATCH_Q8_0_GEMM")
 VLLM_VERSION = "0.32.0"
 VLLM_VENV = Path.home() / ".cache" / "vbatch" / "bench" / "vllm-venv"
 # Run in a new session (Popen start_new_session: its own autogroup), raised to nice -19: plain `nice`
