@@ -294,11 +294,13 @@ _SECTION = re.compile(r"<!-- cpu-kind (\S+) -->.*?<!-- /cpu-kind \1 -->", re.S)
 
 
 def merge(existing: str, new_section: str) -> str:
-    """The whole file: the header, every kind's section (this one replaced or added), then whatever
-    followed the kinds' sections as it was (the other benchmarks' sections, the footer); in a file
-    with no kind's section yet, the footer and then every section it had (write_section's)."""
+    """The whole file: the header, every kind's section (this one replaced or added), each followed by
+    the notes written by hand between it and the next kind's section, then whatever followed the last
+    kind's section as it was (the other benchmarks' sections, the footer); in a file with no kind's
+    section yet, the footer and then every section it had (write_section's)."""
     matches = list(_SECTION.finditer(existing))
     sections = {m.group(1): m.group(0) for m in matches}
+    notes = {m.group(1): existing[m.end():after.start()].strip("\n") for m, after in zip(matches, matches[1:])}
     kind = _SECTION.match(new_section).group(1)
     sections[kind] = new_section
     order = [k for k in KIND_TITLES if k in sections] + sorted(k for k in sections if k not in KIND_TITLES)
@@ -307,7 +309,8 @@ def merge(existing: str, new_section: str) -> str:
     else:
         first = existing.find("## ")
         rest = FOOTER + ("" if first < 0 else "\n" + existing[first:])
-    return "\n\n".join([HEADER, *(sections[k] for k in order), rest])
+    parts = [sections[k] + (f"\n\n{notes[k]}" if notes.get(k) else "") for k in order]
+    return "\n\n".join([HEADER, *parts, rest])
 
 
 def write_report(records: list[dict], ceilings: list[dict], spec: dict, args, argv: list[str],

@@ -374,6 +374,14 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     assert cascade.startswith("<!-- cpu-kind avx512 -->\n## AVX-512 without avx512_bf16: ")
     assert "(its best batch and dtype): **3.25x** (target ≥ 3.0x: met)" in cascade
     assert all(section in out.read_text() for section in (text, amx, zen4_section, held, cascade))
+    # Notes written by hand after a kind's section stay after it when that kind or another is rerun.
+    note = "### The AVX-512 machine's vLLM run\n\nwritten by hand"
+    out.write_text(out.read_text().replace("<!-- /cpu-kind avx512-bf16 -->", "<!-- /cpu-kind avx512-bf16 -->\n\n" + note))
+    report.write_report(zen4, ceilings, spec | {"cpu_kind": "avx512-bf16"}, SimpleNamespace(repeats=1), ["p"], out)
+    report.write_report(records, ceilings, spec | {"cpu_kind": "avx2"}, SimpleNamespace(repeats=1), ["p"], out)
+    kept = out.read_text()
+    assert kept.count(note) == 1 and f"<!-- /cpu-kind avx512-bf16 -->\n\n{note}\n\n<!-- cpu-kind " in kept
+    assert all(section in kept for section in (amx, held, cascade))
 
 
 def test_gemm_backends_script_compares_the_libraries_the_engine_can_use():
