@@ -182,8 +182,11 @@ def vbatch_cmds(spec: dict, out: Path, system: str = "vbatch") -> list[list[str]
     cmds = [common + ["--num-prompts", str(len(spec["prompts"])), "--input-len", spec["input_len"],
                       "--json", str(out.with_suffix(".tput.json"))]]
     if spec["latency_iters"]:
+        # --ceilings: the read probe right after the timed batch-1 runs, in the same process, for a
+        # bandwidth fraction of the same minute (this machine's probe moves by 30% within minutes)
         cmds.append(common + ["--latency", "--input-len", spec["input_len"].split("-")[0],
-                              "--num-iters", str(spec["latency_iters"]), "--json", str(out.with_suffix(".lat.json"))])
+                              "--num-iters", str(spec["latency_iters"]), "--ceilings",
+                              "--json", str(out.with_suffix(".lat.json"))])
     return cmds
 
 

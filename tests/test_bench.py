@@ -330,6 +330,8 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     vb = _record("vbatch", "256", 0, 130.0, decode=250.0, lat_decode=60.0)
     vb["result"].update(dtype="float32", weight_dtype="float16", kv_cache_dtype="float16")
     vb["result"]["latency"]["output_tokens_per_s"] = 62.0
+    # what `vbatch bench --latency --ceilings` adds: its own read probe, right after the timed runs
+    vb["result"]["ceilings"] = {"read_gb_s": 19.5, "decode_fraction_of_bandwidth": 0.88}
     records = [vb, _record("transformers", "32/float32", 0, 40.0), _record("transformers", "32/bfloat16", 0, 10.0),
                _record("vbatch-q8_0", "256", 0, 110.0), _record("llamacpp", "1", 0, 43.0), _record("llamacpp", "32", 0, 80.0)]
     records[-2]["result"]["latency"]["output_tokens_per_s"] = 62.0
@@ -345,6 +347,8 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     assert "llama.cpp (its best batching): **1.62x** (target ≥ 1.5x: met)" in text  # 130 / 80
     assert "batch-1 output tok/s, vbatch ÷ llama.cpp: **1.00x**" in text            # 62 / 62
     assert "bandwidth ceiling (the bytes vbatch reads: its weight storage): **75%**" in text  # 60 / 80 (2-byte)
+    assert "(target ≥ 70%: met); against the probe of the same minute: 88%" in text
+    assert "ran right after its timed runs (`--latency --ceilings`; median over the repetitions): 19.5 GB/s" in text
     assert "| float32 (float16 weights, float16 KV) |" in text and "| 32 sequences batched |" in text
     # An AVX-512 machine whose bf16 GEMMs run on AMX is a kind of its own: a third section, the
     # AVX-512 targets, the tier it ran named in its title; the other two kept.
