@@ -1,12 +1,13 @@
 """The small-rows linear (decode at batch 1-4) over the model's weights as a decode step reads them.
 
     python bench/small_rows.py [--rows 1] [--dtype bfloat16] [--weights bfloat16|float16|float32|q8_0]
-                               [--threads 2] [--passes 15] [--tier avx2]
+                               [--threads 2] [--passes 15] [--tier avx2] [--plain-pages]
 
 Each pass runs `NativeKernels.linear_small` (kernels/csrc/cpu_linear_small.c) over a SmolLM2-135M's
 linear weights in a decode step's order (30 x qkv [960, 576], o_proj [576, 576], gate/up [3072, 576],
 down [576, 1536], then the head [49152, 576]: 269 MB in bf16, far more than the caches), so every
-weight comes from memory as in the engine, and prints the weight bytes read per second (best and
+weight comes from memory as in the engine, from one huge-page arena as in the engine (where the OS
+gives huge pages; `--plain-pages`: 4 KiB pages, as before session 34), and prints the weight bytes read per second (best and
 median of the passes). Compare it with the read ceiling (`python bench/ceilings.py`, the native read
 probe at 1-8 streams per thread): docs/performance/ records what it measured per CPU kind.
 Run it in its own high-priority session on a shared machine (REFERENCE 8):
@@ -31,11 +32,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--passes", type=int, default=15)
     ap.add_argument("--tier", default=None, help="a lower native tier this CPU runs (default: its best)")
+    ap.add_argument("--plain-pages", action="store_true",
+                    help="leave the weights on 4 KiB pages (the engine puts them in one huge-page arena)")
     args = ap.parse_args()
 
     import torch
 
-    from vbatch.kernels import cpu_features, cpu_native, q8_0
+    from vbatch.kernels import cpu_features, cpu_huge_pages, cpu_native, q8_0
 
     torch.manual_seed(0)
     tier = cpu_features.tier_named(args.tier) if args.tier else cpu_features.selected_tier()
@@ -53,6 +56,13 @@ def main() -> None:
 
     shapes = [*LAYER * args.layers, HEAD]
     weights = [(weight(n, k), k) for n, k in shapes]
+    # As the engine does (kernels/cpu_huge_pages.py): every weight in one arena advised for huge pages,
+    # in the order a step reads them; 4 KiB pages cost a TLB miss every 4 KiB of the stream.
+    holder = torch.nn.Module()
+    for i, (w, _) in enumerate(weights):
+        holder.register_buffer(f"w{i}", w)
+    huge = not args.plain_pages and cpu_huge_pages.place_module(holder) > 0
+    weights = [(getattr(holder, f"w{i}"), k) for i, (_, k) in enumerate(weights)]
     xs = {k: torch.randn(args.rows, k).to(dtype) for k in {k for _, k in shapes}}
     num_bytes = sum(w.numel() * w.element_size() for w, _ in weights)
 
@@ -66,7 +76,8 @@ def main() -> None:
     seconds = [one_pass() for _ in range(args.passes)]
     cpu = cpu_features.detect()
     print(f"{cpu.model_name}; tier {tier.name}; {args.threads} threads; {args.rows} row(s) of {args.dtype} x "
-          f"{weights_name} weights, {len(shapes)} matrices, {num_bytes / 1e6:.0f} MB: best "
+          f"{weights_name} weights, {len(shapes)} matrices, {num_bytes / 1e6:.0f} MB on "
+          f"{'huge' if huge else '4 KiB'} pages: best "
           f"{num_bytes / min(seconds) / 1e9:.1f} GB/s, median {num_bytes / statistics.median(seconds) / 1e9:.1f} GB/s "
           f"({statistics.median(seconds) * 1e3:.2f} ms a pass)")
 

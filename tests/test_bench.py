@@ -405,20 +405,26 @@ def test_gemm_backends_script_compares_the_libraries_the_engine_can_use():
         assert float(peak.split(": ")[1].split()[0]) > 0 and "of peak" in line
 
 
-@pytest.mark.parametrize("dtype,weights", [("float32", "float16"), ("float32", "q8_0")])
-def test_small_rows_script_reads_the_model_weights(dtype, weights):
+@pytest.mark.parametrize("dtype,weights,plain", [("float32", "float16", False), ("float32", "q8_0", False),
+                                                 ("float32", "float16", True)])
+def test_small_rows_script_reads_the_model_weights(dtype, weights, plain):
     # fp32 rows (every tier has them) over one layer and the head: the bytes it says it read are the
-    # weights' (one layer + head: 3.07 M fp16 weights + 28.3 M head weights; q8_0 17/16 bytes each).
+    # weights' (one layer + head: 3.07 M fp16 weights + 28.3 M head weights; q8_0 17/16 bytes each),
+    # from one huge-page arena as the engine's where the OS gives huge pages, unless --plain-pages.
     import subprocess
     import sys
     from pathlib import Path
+
+    from vbatch.kernels import cpu_huge_pages
     script = Path(__file__).resolve().parents[1] / "bench" / "small_rows.py"
     done = subprocess.run([sys.executable, str(script), "--dtype", dtype, "--weights", weights, "--layers", "1",
-                           "--threads", "1", "--passes", "2"], capture_output=True, text=True, timeout=300)
+                           "--threads", "1", "--passes", "2", *(["--plain-pages"] if plain else [])],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     weights_count = 960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536 + 49152 * 576
     mb = weights_count * (2 if weights == "float16" else 17 / 16) / 1e6
-    assert f"5 matrices, {mb:.0f} MB: best " in done.stdout and " GB/s" in done.stdout, done.stdout
+    pages = "huge" if cpu_huge_pages.available() and not plain else "4 KiB"
+    assert f"5 matrices, {mb:.0f} MB on {pages} pages: best " in done.stdout and " GB/s" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [("float32", "float16"), ("bfloat16", "bfloat16")])
