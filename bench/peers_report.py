@@ -150,8 +150,7 @@ def _ceiling_lines(rows: list[dict], ceilings: list[dict]) -> tuple[list[str], d
              f"{_fmt(fractions['compute'] and 100 * fractions['compute'], '.0f')}% of the compute ceiling; "
              f"batch-1 decode: {_fmt(vb['latency_decode_tok_s'])} tok/s = "
              f"{_fmt(fractions['bandwidth'] and 100 * fractions['bandwidth'], '.0f')}% of the bandwidth ceiling."]
-    if vb.get("same_minute_bandwidth") is not None:
-        fractions["same_minute_bandwidth"] = vb["same_minute_bandwidth"]
+    if vb["same_minute_bandwidth"] is not None:
         lines.append(f"- The read probe vbatch's batch-1 process ran right after its timed runs (`--latency --ceilings`; "
                      f"median over the repetitions): {_fmt(vb['same_minute_read_gb_s'])} GB/s, so batch-1 decode read "
                      f"its weights at {100 * vb['same_minute_bandwidth']:.0f}% of the bandwidth of that minute.")
@@ -172,8 +171,8 @@ def _target_lines(kind: str, rows: list[dict], fractions: dict) -> list[str]:
     for label, what, goal in TARGETS.get(kind, TARGETS["avx2"]):
         if what in ("compute", "bandwidth"):
             line = _target(label, fractions.get(what), goal, pct=True)
-            if what == "bandwidth" and fractions.get("same_minute_bandwidth") is not None:
-                line += f"; against the probe of the same minute: {100 * fractions['same_minute_bandwidth']:.0f}%"
+            if what == "bandwidth" and vb and vb["same_minute_bandwidth"] is not None:
+                line += f"; against the probe of the same minute: {100 * vb['same_minute_bandwidth']:.0f}%"
             lines.append(line)
         elif what.startswith("latency:"):  # latency:PEER, or latency:PEER@SYSTEM (another vbatch row than "vbatch")
             peer_name, _, mine = what.split(":")[1].partition("@")

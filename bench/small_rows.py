@@ -6,9 +6,9 @@
 Each pass runs `NativeKernels.linear_small` (kernels/csrc/cpu_linear_small.c) over a SmolLM2-135M's
 linear weights in a decode step's order (30 x qkv [960, 576], o_proj [576, 576], gate/up [3072, 576],
 down [576, 1536], then the head [49152, 576]: 269 MB in bf16, far more than the caches), so every
-weight comes from memory as in the engine, from one huge-page arena as in the engine (where the OS
-gives huge pages; `--plain-pages`: 4 KiB pages, as before session 34), and prints the weight bytes read per second (best and
-median of the passes). Compare it with the read ceiling (`python bench/ceilings.py`, the native read
+weight comes from memory, and from one huge-page arena, as in the engine (where the OS gives huge
+pages; `--plain-pages`: 4 KiB pages, as before session 34), and prints the weight bytes read per
+second (best and median of the passes). Compare it with the read ceiling (`python bench/ceilings.py`, the native read
 probe at 1-8 streams per thread): docs/performance/ records what it measured per CPU kind.
 Run it in its own high-priority session on a shared machine (REFERENCE 8):
     setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec nice -n -19 "$@"' _ python bench/small_rows.py
