@@ -22,8 +22,10 @@ fixed team). A reading (/proc/stat and os.times) costs ~0.1 ms on a loaded 2-CPU
 Another vbatch process is another process: two shards started with all cores each settle at half each.
 The kernels split work, not sums, between threads where it was measured: the avx2 tier's greedy tokens
 and logprobs were bitwise the same with 1 and 2 threads (1, 2 and 5 prompts x 64 tokens: attention
-then splits its items by heads at one count and not the other), so a run whose team changes gives a
-quiet run's tokens (tests/test_cpu_threads.py checks it beside a busy process, on every CPU kind).
+then splits its items by heads at one count and not the other; where it splits a row's sum over its
+positions, at batch 1-3, the parts follow the call's shape, never the team), so a run whose team
+changes gives a quiet run's tokens (tests/test_cpu_threads.py checks it beside a busy process, on
+every CPU kind).
 """
 from __future__ import annotations
 

@@ -60,6 +60,47 @@ def test_native_attention_same_rows_whatever_the_thread_count(native, variant, t
     assert torch.equal(one, many)
 
 
+# Decode rows of a call with few query rows (under 4 on 16 lanes, under 2 on narrower registers) are
+# split along their positions into a power of two of equal parts of at least 192 positions, rounded
+# up to whole blocks, each part (every kv head) leaving its softmax state for the last of the row's
+# parts to finish, which merges them (SPLIT_* in vb_attention.h). (context lengths, query lengths,
+# block size, kv heads): 384 positions in two parts, 385 in 208 + 177, 383 whole, four parts of 256
+# beside two rows left whole (16 lanes), a part of 256 and one of 144 at block size 128, a 2-row
+# prefill beside the split row (16 lanes), 3,101 positions in 15 parts (at most 16, of 208).
+SPLIT_STEPS = [([383], [1], 16, 3), ([384], [1], 16, 3), ([382], [1], 16, 3), ([999, 6, 200], [1, 1, 1], 8, 1),
+               ([399], [1], 128, 3), ([400, 40], [1, 2], 32, 1), ([3100], [1], 16, 3)]
+
+
+@pytest.mark.parametrize("step", SPLIT_STEPS, ids=lambda s: "-".join(map(str, s[0])) + f"-b{s[2]}-kv{s[3]}")
+def test_native_attention_split_decode_rows_match_reference(native, any_variant, step):
+    # Keys growing along the positions (x1 to x4) with large logits: the later parts' maxima lie tens
+    # above the earlier ones', so a merge that did not rescale each part by e^(m_k - M) would be off
+    # by orders of magnitude; NaN past each request's length and in unowned blocks must stay unread.
+    dtype, kv_dtype = any_variant
+    query, key_cache, value_cache, attn, _ = random_step(step[:3], any_variant, num_kv_heads=step[3], group=3,
+                                                         head_dim=64)
+    query = (query.float() * 3).to(dtype)
+    bs = step[2]
+    keys = key_cache.float()
+    for r, n in enumerate(attn.seq_lens_list):   # x1 at a request's first position, x4 at its last
+        for pos, factor in enumerate(torch.linspace(1.0, 4.0, n).tolist()):
+            keys[int(attn.block_tables[r][pos // bs]), pos % bs] *= factor
+    key_cache = keys.to(kv_dtype)
+    want = attention_ref.paged_attention(query, key_cache, value_cache, attn, 1.0)
+    for r, n in enumerate(attn.seq_lens_list):
+        last = int(attn.block_tables[r][(n - 1) // bs])
+        key_cache[last, (n - 1) % bs + 1:] = float("nan")
+        value_cache[last, (n - 1) % bs + 1:] = float("nan")
+    owned = {int(b) for r, n in enumerate(attn.seq_lens_list) for b in attn.block_tables[r, :-(-n // bs)]}
+    for b in set(range(key_cache.shape[0])) - owned:
+        key_cache[b], value_cache[b] = float("nan"), float("nan")
+    got = {t: native.paged_attention(query, key_cache, value_cache, attn, 1.0, t) for t in (1, 2, 3)}
+    assert torch.isfinite(got[2].float()).all()
+    assert (got[2].float() - want.float()).abs().max().item() < 10 * ATTN_TOL[dtype]
+    # the split reads only the call's shape: the same bits on any number of threads
+    assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3])
+
+
 @pytest.mark.parametrize("block_size", [8, 16])  # 16: prefill rows take the tiled path
 def test_native_attention_never_reads_unowned_slots(native, any_variant, block_size):
     # Slots past each request's length and blocks no request owns may hold anything (the cache is

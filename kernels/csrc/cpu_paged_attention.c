@@ -18,6 +18,8 @@
  * cache stores ([block_size, kv_heads, head_dim]) instead of a 1/kv_heads slice of each row; the
  * range is split per head only when there are too few requests to keep the threads busy. The G
  * query heads that share a kv head are done together, so each key/value row is used G times.
+ * NOTE: a call of very few decode rows splits each row along its positions instead (every kv head
+ * per part, partial softmax states merged: vb_attention.h SPLIT_*), whatever the thread count.
  * NOTE: one sweep over the request's blocks with an online softmax (running max, rescaled sums and
  * accumulators, as in flash attention): each block's keys and values are read once, in place,
  * upcast to fp32 in registers (bf16), while the next block is prefetched (the blocks of a request sit
@@ -136,8 +138,9 @@ static inline __attribute__((always_inline)) void attend_item(
 #if VL < 16
     for (int i = it->row_begin; i < it->row_end; ++i) {
         const int64_t t = q_begin + i;
-        attend_row_spans(p, &iv, p->query + t * p->query_stride, p->out + t * Hq * D, first_pos + i + 1, h0, nh,
-                         sc, NV, G);
+        const int len = first_pos + i + 1;
+        attend_row_spans(p, &iv, it, p->query + t * p->query_stride, p->out + t * Hq * D, it->pos_begin,
+                         len < it->pos_end ? len : it->pos_end, len, sc, NV, G);
     }
     return;
 #endif
@@ -145,18 +148,19 @@ static inline __attribute__((always_inline)) void attend_item(
 
     for (int i = it->row_begin; i < it->row_end; ++i) {
         const int64_t t = q_begin + i;
-        const int len = first_pos + i + 1;  /* keys 0 .. first_pos + i */
+        const int row_len = first_pos + i + 1;  /* keys 0 .. first_pos + i; this item's: pos_begin .. len - 1 */
+        const int len = row_len < it->pos_end ? row_len : it->pos_end;
         const act_t *qrow = p->query + t * p->query_stride;
         for (int j = 0; j < nh * G; ++j) { sc->mx[j] = -FLT_MAX; ((vf *)sc->sum)[j] = splat(0.0f); }
         memset(sc->acc, 0, sizeof(float) * (size_t)nh * G * D);
 
-        for (int s0 = 0; s0 < len; s0 += BS) {
+        for (int s0 = it->pos_begin; s0 < len; s0 += BS) {
             const int n = len - s0 < BS ? len - s0 : BS;
             const int64_t block = table[s0 / BS];
             /* the next block (keys and values) is prefetched row by row while this one is used */
-            const int ahead = s0 + PREFETCH_BLOCKS * BS;
-            const int64_t next = ahead < len ? (int64_t)table[ahead / BS] * block_stride : -1;
-            const int n_next = next < 0 ? 0 : (len - ahead < BS ? len - ahead : BS);
+            const int ahead = s0 + PREFETCH_BLOCKS * BS;   /* past a part's end too: this thread may take the next */
+            const int64_t next = ahead < row_len ? (int64_t)table[ahead / BS] * block_stride : -1;
+            const int n_next = next < 0 ? 0 : (row_len - ahead < BS ? row_len - ahead : BS);
             for (int h = h0; h < h0 + nh; ++h) {
                 const int64_t base = block * block_stride + (int64_t)h * D;
                 float *mx = sc->mx + (h - h0) * G;
@@ -202,6 +206,10 @@ static inline __attribute__((always_inline)) void attend_item(
                 for (int g = 0; g < G; ++g)
                     for (int c = 0; c < NV; ++c) *(vf *)(acc + g * D + VL * c) = a[g][c];
             }
+        }
+        if (it->split >= 0) {   /* every kv head (vb_attention_plan) */
+            store_part(p, it, sc->acc, sc->mx, sc->sum, VL);
+            continue;
         }
         for (int h = h0; h < h0 + nh; ++h)
             for (int g = 0; g < G; ++g) {
@@ -275,7 +283,42 @@ struct VbAttention {
     Item *items;
     int64_t num_items;
     int heads_per_item, group;
+    Split *splits;      /* the split decode rows (SPLIT_BELOW_ROWS, vb_attention.h) */
+    int32_t *arrivals;  /* per split: parts finished, counted up across runs (the merge takes a multiple) */
 };
+
+/* Lays out the items (and the split rows' parts) in `items`, `splits`; with NULL arrays, only
+ * counts them. */
+static void lay_out(const int32_t *query_start, const int32_t *seq_lens, int num_reqs, int num_kv_heads,
+                    int heads_per_item, int block_size, int split, Item *items, Split *splits, int64_t *num_items,
+                    int64_t *num_splits, int64_t *num_parts) {
+    int64_t k = 0, s = 0, slot = 0;
+    for (int r = 0; r < num_reqs; ++r) {
+        const int q_len = query_start[r + 1] - query_start[r], len = seq_lens[r];
+        /* a split decode row: the most parts, a power of two, of at least SPLIT_MIN_POSITIONS each */
+        int parts = 1;
+        while (split && q_len == 1 && len / (2 * parts) >= SPLIT_MIN_POSITIONS && 2 * parts <= MAX_PARTS) parts *= 2;
+        const int part_len = (len + parts - 1) / parts;
+        const int aligned = (part_len + block_size - 1) / block_size * block_size;   /* whole blocks */
+        parts = (len + aligned - 1) / aligned;
+        if (parts > 1) {
+            if (splits) splits[s] = (Split){query_start[r], (int32_t)slot, parts};
+            for (int j = 0; j < parts; ++j, ++k)
+                if (items) items[k] = (Item){r, 0, num_kv_heads, 0, 1, j * aligned, (j + 1) * aligned, (int32_t)s,
+                                             (int32_t)(slot + j)};
+            ++s;
+            slot += parts;
+            continue;
+        }
+        for (int b = 0; b < q_len; b += ROWS_PER_ITEM)
+            for (int h = 0; h < num_kv_heads; h += heads_per_item, ++k)
+                if (items) items[k] = (Item){r, h, h + heads_per_item, b, b + ROWS_PER_ITEM < q_len ? b + ROWS_PER_ITEM : q_len,
+                                             0, INT32_MAX, -1, -1};
+    }
+    *num_items = k;
+    *num_splits = s;
+    *num_parts = slot;
+}
 
 /* Returns 0, or: 1 unsupported shape (head_dim not a multiple of 16 or above 256, more than 16
  * query heads per kv head, block size above 1024), 2 out of memory. */
@@ -291,44 +334,79 @@ int VB_ACT(vb_attention_plan)(
     int64_t row_chunks = 0;
     for (int r = 0; r < num_reqs; ++r)
         row_chunks += (query_start[r + 1] - query_start[r] + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    /* decode rows split along their positions when the call has few rows (whatever the thread
+       count: the results must not depend on it) */
+    const int split = query_start[num_reqs] < SPLIT_BELOW_ROWS;
     /* all kv heads per item unless that leaves threads idle */
     const int heads_per_item = row_chunks >= 2 * (int64_t)num_threads ? num_kv_heads : 1;
-    const int64_t num_items = row_chunks * (num_kv_heads / heads_per_item);
-    VbAttention *pl = malloc(sizeof(VbAttention));
+    int64_t num_items, num_splits, num_parts;
+    lay_out(query_start, seq_lens, num_reqs, num_kv_heads, heads_per_item, block_size, split, NULL, NULL, &num_items,
+            &num_splits, &num_parts);
+    VbAttention *pl = calloc(1, sizeof(VbAttention));
     Item *items = malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
-    if (!pl || !items) {
+    Split *splits = malloc(sizeof(Split) * (size_t)(num_splits > 0 ? num_splits : 1));
+    int32_t *arrivals = calloc((size_t)(num_splits > 0 ? num_splits : 1), sizeof(int32_t));
+    float *partials = malloc(sizeof(float) * (size_t)(num_parts > 0 ? num_parts : 1) * num_q_heads * (head_dim + 2));
+    if (!pl || !items || !splits || !arrivals || !partials) {
         free(pl);
         free(items);
+        free(splits);
+        free(arrivals);
+        free(partials);
         return 2;
     }
-    int64_t k = 0;
-    for (int r = 0; r < num_reqs; ++r) {
-        const int q_len = query_start[r + 1] - query_start[r];
-        for (int b = 0; b < q_len; b += ROWS_PER_ITEM)
-            for (int h = 0; h < num_kv_heads; h += heads_per_item) {
-                items[k].req = r;
-                items[k].head_begin = h;
-                items[k].head_end = h + heads_per_item;
-                items[k].row_begin = b;
-                items[k].row_end = b + ROWS_PER_ITEM < q_len ? b + ROWS_PER_ITEM : q_len;
-                ++k;
-            }
-    }
+    lay_out(query_start, seq_lens, num_reqs, num_kv_heads, heads_per_item, block_size, split, items, splits, &num_items,
+            &num_splits, &num_parts);
     const Problem problem = {query, query_stride, out, key_cache, value_cache, block_tables, table_stride, query_start,
-                             seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, scale};
+                             seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, scale, partials};
     pl->problem = problem;
     pl->fn = pick(head_dim, group);
     pl->tiled_fn = pick_tiled(head_dim, block_size);
     pl->items = items;
     pl->num_items = num_items;
-    pl->heads_per_item = heads_per_item;
+    pl->heads_per_item = num_splits > 0 ? num_kv_heads : heads_per_item;   /* the scratch's size */
     pl->group = group;
+    pl->splits = splits;
+    pl->arrivals = arrivals;
     *plan = pl;
     return 0;
 }
 
+/* A split row's parts, merged into its output: per query head, out = sum_k e^(m_k - M) acc_k /
+ * sum_k e^(m_k - M) l_k with M the parts' largest max, taken in part order (the same bits whoever
+ * merges). */
+static void merge_split(const Problem *p, const Split *s) {
+    const int Hq = p->num_q_heads, D = p->head_dim, NV = D / VL;
+    const int64_t slot_len = (int64_t)Hq * (D + 2);
+    const float *first = p->partials + s->first * slot_len;
+    for (int j = 0; j < Hq; ++j) {
+        float top = -FLT_MAX;
+        for (int k = 0; k < s->parts; ++k) {
+            const float m = first[k * slot_len + (int64_t)Hq * D + j];
+            top = m > top ? m : top;
+        }
+        vf acc[MAX_HEAD_DIM / VL];
+        for (int c = 0; c < NV; ++c) acc[c] = splat(0.0f);
+        float sum = 0.0f;
+        for (int k = 0; k < s->parts; ++k) {
+            const float *slot = first + k * slot_len;
+            const float w = exp1(slot[(int64_t)Hq * D + j] - top);
+            sum += w * slot[(int64_t)Hq * D + Hq + j];
+            for (int c = 0; c < NV; ++c) acc[c] += w * load_f32(slot + (int64_t)j * D + VL * c);
+        }
+        act_t *o = p->out + ((int64_t)s->row * Hq + j) * D;
+        const float inv = 1.0f / sum;
+        for (int c = 0; c < NV; ++c) store_act(o + VL * c, acc[c] * inv);
+    }
+}
+
 void VB_ACT(vb_attention_free)(VbAttention *plan) {
-    if (plan) free(plan->items);
+    if (plan) {
+        free(plan->items);
+        free(plan->splits);
+        free(plan->arrivals);
+        free(plan->problem.partials);
+    }
     free(plan);
 }
 
@@ -364,6 +442,12 @@ int VB_ACT(vb_attention_run_shared)(const VbAttention *plan) {
         if (!state) continue;
         if (plan->tiled_fn && it->row_end - it->row_begin >= TILED_MIN_ROWS) plan->tiled_fn(&plan->problem, it, sc);
         else plan->fn(&plan->problem, it, sc);
+        /* the last part of a split row to finish merges it (acquire: the other parts' states are seen) */
+        if (it->split >= 0) {
+            const Split *s = &plan->splits[it->split];
+            if (__atomic_add_fetch(&plan->arrivals[it->split], 1, __ATOMIC_ACQ_REL) % s->parts == 0)
+                merge_split(&plan->problem, s);
+        }
     }
     free(state);
     free(sc);

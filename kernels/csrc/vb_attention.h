@@ -20,6 +20,28 @@
  * blocks ahead changed nothing. */
 #define PREFETCH_HINT 2
 #define PREFETCH_BLOCKS 1
+/* Decode rows of a call with fewer than SPLIT_BELOW_ROWS query rows are split along their positions
+ * into a power of two of equal parts of at least SPLIT_MIN_POSITIONS (rounded up to whole blocks),
+ * each part a work item over every kv head whose unnormalised softmax state (max, sum, accumulators)
+ * the last of the row's parts to finish merges (flash-decoding). Why: at batch 1 the items were the kv
+ * heads, 3 of them for SmolLM2 on 2 threads, so one thread did two heads while the other waited,
+ * each reading a third of every cache row. The rule reads only the call's shape and the build, never
+ * the thread count, so a row's result is the same bits on any number of threads (the engine's team
+ * shrinks under load: engine/cpu_threads.py). bench/decode_attention.py on Zen 4, 2 threads, in one
+ * process against the kernel before (docs/performance/batch-1.md, session 35): 1 row of 1,536
+ * positions 0.57x the time on 16 lanes, 0.90-0.99x on avx2's spans (384-1,536 positions). Parts
+ * under 192 positions lost what the balance won. */
+#ifndef SPLIT_MIN_POSITIONS
+#define SPLIT_MIN_POSITIONS 192
+#endif
+#ifndef SPLIT_BELOW_ROWS
+#if VL >= 16
+#define SPLIT_BELOW_ROWS 4   /* 2-3 rows as well: per-kv-head items read 1.5-1.8x slower from memory there */
+#else
+#define SPLIT_BELOW_ROWS 2   /* the spans at 2-3 rows: 0.85-0.93x the per-kv-head items' speed split */
+#endif
+#endif
+#define MAX_PARTS 16
 
 typedef struct {
     const act_t *query;           /* [T, Hq, D], rows query_stride apart */
@@ -33,9 +55,31 @@ typedef struct {
     const int32_t *seq_lens;      /* [R] */
     int num_q_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    float *partials;              /* [parts of split rows, Hq, D + 2]: accumulators, then maxima, then sums */
 } Problem;
 
-typedef struct { int32_t req, head_begin, head_end, row_begin, row_end; } Item;
+/* A work item: request req's query rows [row_begin, row_end), kv heads [head_begin, head_end),
+ * over positions [pos_begin, pos_end) of what each row sees. split < 0: the item writes its rows'
+ * outputs; otherwise it is part `part` (a slot of Problem.partials) of split row `split`. */
+typedef struct { int32_t req, head_begin, head_end, row_begin, row_end, pos_begin, pos_end, split, part; } Item;
+
+/* A decode row split along its positions (every kv head): parts first .. first + parts - 1. */
+typedef struct { int32_t row, first, parts; } Split;
+
+/* A part of a split row ends: its unnormalised state goes to its slot for the merge. sum: the
+ * running sums, `lanes` floats per query head (summed here). */
+static inline void store_part(const Problem *p, const Item *it, const float *acc /* [Hq, D] */,
+                              const float *mx /* [Hq] */, const float *sum /* [Hq, lanes] */, int lanes) {
+    const int Hq = p->num_q_heads, D = p->head_dim;
+    float *slot = p->partials + (int64_t)it->part * Hq * (D + 2);
+    memcpy(slot, acc, sizeof(float) * (size_t)Hq * D);
+    memcpy(slot + (int64_t)Hq * D, mx, sizeof(float) * (size_t)Hq);
+    for (int j = 0; j < Hq; ++j) {
+        float total = 0.0f;
+        for (int l = 0; l < lanes; ++l) total += sum[j * lanes + l];
+        slot[(int64_t)Hq * D + Hq + j] = total;
+    }
+}
 
 /* Where one item's request lives: its cache strides, block table and query rows. */
 typedef struct {

@@ -109,15 +109,18 @@ static inline __attribute__((always_inline)) void span_scores(
  * heads one after another inside each span (a span's cache rows, all heads, are read from memory
  * once and used while in L1): the scores of every query head of the group (span_scores), then
  * per query head its online softmax update and p.v with NV accumulators in registers, the span's
- * values re-read from L1.
+ * values re-read from L1. A part of a split row (begin > 0 or len short of the row's) leaves its
+ * unnormalised state for the merge instead of writing the row.
  * NOTE: why not per block with all heads' accumulators in registers, as the 16-lane build does:
  * G x NV accumulators (24 for 3 query heads of 64 fp32 dims) do not fit 16 registers. Measured on
  * Zen 3 (fp32, 3 kv heads x 3 query heads, 64 x 448 positions, one thread): per query head over
  * whole blocks 69 cycles per position and kv head with warm caches, 176 from memory; here 58 and ... */
 static inline __attribute__((always_inline)) void attend_row_spans(
-        const Problem *p, const ItemView *iv, const act_t *qrow /* [Hq, D] */, act_t *orow /* [Hq, D] */,
-        int len, int h0, int nh, Scratch *sc, const int NV, const int G) {
-    const int D = NV * VL;
+        const Problem *p, const ItemView *iv, const Item *it, const act_t *qrow /* [Hq, D] */,
+        act_t *orow /* [Hq, D] */, int begin, int len /* positions begin .. len - 1 */,
+        int prefetch_len /* the row's length: a part prefetches into the next part, which this thread
+                            may take next */, Scratch *sc, const int NV, const int G) {
+    const int D = NV * VL, h0 = it->head_begin, nh = it->head_end - it->head_begin;
     int block_shift = -1;
     for (int b = 0; b < 31; ++b)
         if ((1 << b) == p->block_size) block_shift = b;
@@ -126,7 +129,15 @@ static inline __attribute__((always_inline)) void attend_row_spans(
         sc->sum[j] = 0.0f;
     }
     memset(sc->acc, 0, sizeof(float) * (size_t)nh * G * D);
-    for (int s0 = 0; s0 < len; s0 += SPAN) {
+    /* the first span's rows are in no earlier span's prefetch: ask for all of them at once (a part of
+       a split row starts cold; bench/decode_attention.py, avx2 tier, fp16 cache, 3 x 384 positions,
+       2 threads, parts of 64: 1.49x -> 1.08x the unsplit time) */
+    for (int o = begin; o < begin + SPAN && o < len; ++o)
+        for (int h = h0; h < h0 + nh; ++h) {
+            prefetch_row(p->key_cache, iv, p->block_size, block_shift, o, len, h, D);
+            prefetch_row(p->value_cache, iv, p->block_size, block_shift, o, len, h, D);
+        }
+    for (int s0 = begin; s0 < len; s0 += SPAN) {
         const int n = len - s0 < SPAN ? len - s0 : SPAN;
         for (int h = h0; h < h0 + nh; ++h) {
             const act_t *q = qrow + (int64_t)h * G * D;
@@ -134,7 +145,7 @@ static inline __attribute__((always_inline)) void attend_row_spans(
             for (int g0 = 0; g0 < G; g0 += SCORE_HEADS) {
                 const int gg = G - g0 < SCORE_HEADS ? G - g0 : SCORE_HEADS;
                 float *out = sc->scores + g0 * SPAN;
-                const int ahead = g0 == 0 ? len : 0;  /* the first group's pass prefetches */
+                const int ahead = g0 == 0 ? prefetch_len : 0;  /* the first group's pass prefetches */
                 if (gg == 3) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, ahead, out, NV, 3);
                 else if (gg == 2) span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, ahead, out, NV, 2);
                 else span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, ahead, out, NV, 1);
@@ -144,7 +155,7 @@ static inline __attribute__((always_inline)) void attend_row_spans(
             float *vspan = (float *)sc->kt;
             for (int o = 0; o < n; ++o) {
                 const kv_t *vrow = cache_row(p->value_cache, iv, p->block_size, block_shift, s0 + o, h, D);
-                prefetch_row(p->value_cache, iv, p->block_size, block_shift, s0 + o + SPAN_PREFETCH, len, h, D);
+                prefetch_row(p->value_cache, iv, p->block_size, block_shift, s0 + o + SPAN_PREFETCH, prefetch_len, h, D);
 #pragma GCC unroll 16
                 for (int c = 0; c < NV; ++c) store_f32(vspan + o * D + VL * c, load_kv(vrow + VL * c));
             }
@@ -177,7 +188,7 @@ static inline __attribute__((always_inline)) void attend_row_spans(
 #else
                     const kv_t *vrow = cache_row(p->value_cache, iv, p->block_size, block_shift, s0 + o, h, D);
                     if (g == 0)
-                        prefetch_row(p->value_cache, iv, p->block_size, block_shift, s0 + o + SPAN_PREFETCH, len, h, D);
+                        prefetch_row(p->value_cache, iv, p->block_size, block_shift, s0 + o + SPAN_PREFETCH, prefetch_len, h, D);
 #pragma GCC unroll 16
                     for (int c = 0; c < NV; ++c) a[c] += w * load_kv(vrow + VL * c);
 #endif
@@ -186,6 +197,10 @@ static inline __attribute__((always_inline)) void attend_row_spans(
                 for (int c = 0; c < NV; ++c) store_f32(acc + g * D + VL * c, a[c]);
             }
         }
+    }
+    if (it->split >= 0) {   /* every kv head (vb_attention_plan) */
+        store_part(p, it, sc->acc, sc->mx, sc->sum, 1);
+        return;
     }
     for (int j = 0; j < nh * G; ++j) {
         act_t *o = orow + ((int64_t)h0 * G + j) * D;
