@@ -145,6 +145,7 @@ static inline __attribute__((always_inline)) void attend_item(
     return;
 #endif
     const int SS = (BS + 15) / 16 * 16;                    /* score row stride: whole aligned vectors */
+    const int ahead_blocks = PREFETCH_BLOCKS * ((PREFETCH_HEAD_BLOCKS + nh - 1) / nh);   /* vb_attention.h */
 
     for (int i = it->row_begin; i < it->row_end; ++i) {
         const int64_t t = q_begin + i;
@@ -158,7 +159,7 @@ static inline __attribute__((always_inline)) void attend_item(
             const int n = len - s0 < BS ? len - s0 : BS;
             const int64_t block = table[s0 / BS];
             /* the next block (keys and values) is prefetched row by row while this one is used */
-            const int ahead = s0 + PREFETCH_BLOCKS * BS;   /* past a part's end too: this thread may take the next */
+            const int ahead = s0 + ahead_blocks * BS;   /* past a part's end too: this thread may take the next */
             const int64_t next = ahead < row_len ? (int64_t)table[ahead / BS] * block_stride : -1;
             const int n_next = next < 0 ? 0 : (row_len - ahead < BS ? row_len - ahead : BS);
             for (int h = h0; h < h0 + nh; ++h) {

@@ -17,9 +17,13 @@
 #define MAX_BLOCK_SIZE 1024
 /* Prefetch one block ahead into L2 (hint 2): measured here at batch 64 x 448 positions, scattered
  * blocks, 2 threads: 1.74 ms with L1 prefetches (hint 3), 1.25-1.29 into L2, 1.87 without; two
- * blocks ahead changed nothing. */
+ * blocks ahead changed nothing. That is for items of 3 kv heads or more: one block of one kv head
+ * is too little work to hide the next block's latency, so the 16-lane loop looks PREFETCH_HEAD_BLOCKS
+ * / (the item's kv heads) blocks ahead, rounded up (session 35, Zen 4, bf16, 1 x 1,536 positions in
+ * per-kv-head items: 3 blocks ahead 0.66-0.68x the time of 1, 2 blocks 0.72x). */
 #define PREFETCH_HINT 2
 #define PREFETCH_BLOCKS 1
+#define PREFETCH_HEAD_BLOCKS 3
 /* Decode rows of a call with fewer than SPLIT_BELOW_ROWS query rows are split along their positions
  * into a power of two of equal parts of at least SPLIT_MIN_POSITIONS (rounded up to whole blocks),
  * each part a work item over every kv head whose unnormalised softmax state (max, sum, accumulators)
@@ -36,7 +40,7 @@
 #endif
 #ifndef SPLIT_BELOW_ROWS
 #if VL >= 16
-#define SPLIT_BELOW_ROWS 4   /* 2-3 rows as well: per-kv-head items read 1.5-1.8x slower from memory there */
+#define SPLIT_BELOW_ROWS 4   /* 2-3 rows as well: 0.81-1.10x the time of per-kv-head items (batch-1.md) */
 #else
 #define SPLIT_BELOW_ROWS 2   /* the spans at 2-3 rows: 0.85-0.93x the per-kv-head items' speed split */
 #endif
