@@ -60,6 +60,18 @@ def test_native_attention_same_rows_whatever_the_thread_count(native, variant, t
     assert torch.equal(one, many)
 
 
+def _poison_unowned_slots(key_cache, value_cache, attn, block_size):
+    """NaN keys and inf values in the slots past each request's length (the tail of its last block)
+    and NaN in the blocks no request owns: a kernel that reads them shows it in its output."""
+    for r, n in enumerate(attn.seq_lens_list):
+        last = int(attn.block_tables[r][(n - 1) // block_size])
+        key_cache[last, (n - 1) % block_size + 1:] = float("nan")
+        value_cache[last, (n - 1) % block_size + 1:] = float("inf")
+    owned = {int(b) for r, n in enumerate(attn.seq_lens_list) for b in attn.block_tables[r, :-(-n // block_size)]}
+    for b in set(range(key_cache.shape[0])) - owned:
+        key_cache[b], value_cache[b] = float("nan"), float("nan")
+
+
 # Decode rows of a call with few query rows (under 4 on 16 lanes, under 2 on narrower registers) are
 # split along their positions into a power of two of equal parts of at least 192 positions, rounded
 # up to whole blocks, each part (every kv head) leaving its softmax state for the last of the row's
@@ -75,7 +87,7 @@ SPLIT_STEPS = [([383], [1], 16, 3), ([384], [1], 16, 3), ([382], [1], 16, 3), ([
 def test_native_attention_split_decode_rows_match_reference(native, any_variant, step):
     # Keys growing along the positions (x1 to x4) with large logits: the later parts' maxima lie tens
     # above the earlier ones', so a merge that did not rescale each part by e^(m_k - M) would be off
-    # by orders of magnitude; NaN past each request's length and in unowned blocks must stay unread.
+    # by orders of magnitude; NaN/inf past each request's length and in unowned blocks must stay unread.
     dtype, kv_dtype = any_variant
     query, key_cache, value_cache, attn, _ = random_step(step[:3], any_variant, num_kv_heads=step[3], group=3,
                                                          head_dim=64)
@@ -87,13 +99,7 @@ def test_native_attention_split_decode_rows_match_reference(native, any_variant,
             keys[int(attn.block_tables[r][pos // bs]), pos % bs] *= factor
     key_cache = keys.to(kv_dtype)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, 1.0)
-    for r, n in enumerate(attn.seq_lens_list):
-        last = int(attn.block_tables[r][(n - 1) // bs])
-        key_cache[last, (n - 1) % bs + 1:] = float("nan")
-        value_cache[last, (n - 1) % bs + 1:] = float("nan")
-    owned = {int(b) for r, n in enumerate(attn.seq_lens_list) for b in attn.block_tables[r, :-(-n // bs)]}
-    for b in set(range(key_cache.shape[0])) - owned:
-        key_cache[b], value_cache[b] = float("nan"), float("nan")
+    _poison_unowned_slots(key_cache, value_cache, attn, bs)
     got = {t: native.paged_attention(query, key_cache, value_cache, attn, 1.0, t) for t in (1, 2, 3)}
     assert torch.isfinite(got[2].float()).all()
     assert (got[2].float() - want.float()).abs().max().item() < 10 * ATTN_TOL[dtype]
@@ -108,13 +114,7 @@ def test_native_attention_never_reads_unowned_slots(native, any_variant, block_s
     query, key_cache, value_cache, attn, scale = random_step(([2, 13, 30], [1, 1, 7], block_size), any_variant,
                                                              head_dim=64)
     want = attention_ref.paged_attention(query, key_cache, value_cache, attn, scale)
-    for r, n in enumerate(attn.seq_lens_list):
-        last = int(attn.block_tables[r][(n - 1) // block_size])
-        key_cache[last, (n - 1) % block_size + 1:] = float("nan")     # tail of the last block
-        value_cache[last, (n - 1) % block_size + 1:] = float("inf")
-    owned = {int(b) for r, n in enumerate(attn.seq_lens_list) for b in attn.block_tables[r, :-(-n // block_size)]}
-    for b in set(range(key_cache.shape[0])) - owned:
-        key_cache[b], value_cache[b] = float("nan"), float("nan")
+    _poison_unowned_slots(key_cache, value_cache, attn, block_size)
     got = native.paged_attention(query, key_cache, value_cache, attn, scale, 2)
     assert torch.isfinite(got.float()).all()
     assert (got.float() - want.float()).abs().max().item() < ATTN_TOL[any_variant[0]]

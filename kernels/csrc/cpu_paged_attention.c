@@ -345,10 +345,11 @@ int VB_ACT(vb_attention_plan)(
             &num_splits, &num_parts);
     VbAttention *pl = calloc(1, sizeof(VbAttention));
     Item *items = malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
-    Split *splits = malloc(sizeof(Split) * (size_t)(num_splits > 0 ? num_splits : 1));
-    int32_t *arrivals = calloc((size_t)(num_splits > 0 ? num_splits : 1), sizeof(int32_t));
-    float *partials = malloc(sizeof(float) * (size_t)(num_parts > 0 ? num_parts : 1) * num_q_heads * (head_dim + 2));
-    if (!pl || !items || !splits || !arrivals || !partials) {
+    /* the split rows' bookkeeping, only where some row splits (NULL otherwise) */
+    Split *splits = num_splits > 0 ? malloc(sizeof(Split) * (size_t)num_splits) : NULL;
+    int32_t *arrivals = num_splits > 0 ? calloc((size_t)num_splits, sizeof(int32_t)) : NULL;
+    float *partials = num_splits > 0 ? malloc(sizeof(float) * (size_t)num_parts * num_q_heads * (head_dim + 2)) : NULL;
+    if (!pl || !items || (num_splits > 0 && (!splits || !arrivals || !partials))) {
         free(pl);
         free(items);
         free(splits);

@@ -23,7 +23,9 @@
  * per-kv-head items: 3 blocks ahead 0.66-0.68x the time of 1, 2 blocks 0.72x). */
 #define PREFETCH_HINT 2
 #define PREFETCH_BLOCKS 1
+#ifndef PREFETCH_HEAD_BLOCKS   /* 1: the loop before (a race: VBATCH_NATIVE_CFLAGS=-DPREFETCH_HEAD_BLOCKS=1) */
 #define PREFETCH_HEAD_BLOCKS 3
+#endif
 /* Decode rows of a call with fewer than SPLIT_BELOW_ROWS query rows are split along their positions
  * into a power of two of equal parts of at least SPLIT_MIN_POSITIONS (rounded up to whole blocks),
  * each part a work item over every kv head whose unnormalised softmax state (max, sum, accumulators)
