@@ -593,3 +593,23 @@ def test_contention_script_runs_two_processes_at_once(tmp_path):
         rates = [float(v) for v in line.split("|")[6].split(",")]
         assert len(rates) == 2 and min(rates) > 0, line
     assert "teams adapting / fixed" in done.stdout and len(list(tmp_path.glob("shards-*.json"))) == 4
+
+
+def test_small_rows_script_races_another_build():
+    # --against: the same entry point of another library, raced in one process beside the read
+    # probe. Given this build's own library, both compute the same outputs.
+    import subprocess
+    import sys
+    from pathlib import Path
+    from vbatch.kernels import cpu_features, cpu_native
+    native = cpu_native.load(cpu_features.selected_tier())
+    if native is None:
+        pytest.skip("no native kernels on this machine (no C compiler)")
+    script = Path(__file__).resolve().parents[1] / "bench" / "small_rows.py"
+    done = subprocess.run([sys.executable, str(script), "--dtype", "float32", "--weights", "float16", "--rows", "3",
+                           "--layers", "1", "--threads", "1", "--rounds", "3", "--against", str(native.path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "3 row(s) of float32 x float16 weights, 1 threads, 3 rounds alternating" in done.stdout, done.stdout
+    assert f"  {native.path}: " in done.stdout and "x this build, " in done.stdout, done.stdout
+    assert "  probe 8 streams: " in done.stdout and "outputs differ by at most 0\n" in done.stdout, done.stdout
