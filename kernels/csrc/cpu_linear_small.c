@@ -67,7 +67,10 @@ static inline void team_share(int count, int *begin, int *end) {
  * the instruction left out: 2 rows 23.9-25.5 against 19.3-23.8, 4 rows 20.1-24.5 against
  * 20.3-21.0). One stream per thread there: 20-28 GB/s at one row, 15-23 at four; two streams
  * 20-28 / 18-25. So the 2 KB prefetch is built in on Intel only (VB_PREFETCH_STREAMS above), the
- * four streams everywhere. */
+ * four streams everywhere. Session 36 raced 1-2 KB ahead at 3-4 rows only, in one process on Zen 4
+ * (`python bench/small_rows.py --tier avx512-bf16 --rows R --against <the build without>`, 80-100
+ * rounds): 0.97-1.16x the speed, varying with the minute, and a tie end to end at 4 prompts. Not
+ * kept (unlike the fp32 rows' deeper prefetch at 3-4 rows below). */
 #ifndef BF16_STREAMS
 #define BF16_STREAMS 4
 #endif
@@ -199,7 +202,17 @@ static inline float weight_at(const void *w, int64_t k, const int FMT) {  /* one
  * fewer misses in flight. Measured on Zen 3, 2 threads, one [58368, 576] weight: 9 Gw/s (weights
  * per second) without prefetch, the same as fp16; prefetching 256 / 384 / 512 / 640 / 768 / 1024
  * bytes ahead: 9.9 / 13.1 / 15.9 / 16.4-17.4 / 15-19 / 17.4 Gw/s, fp16 8-12 in the same runs. */
+#ifndef Q8_PREFETCH
 #define Q8_PREFETCH 768
+#endif
+/* Passes of 3-4 rows of x (2 streams a thread, as for the half-precision rows below): further ahead.
+ * Zen 4, avx2 tier, 4 rows (`bench/small_rows.py --weights q8_0 --rows 4 --against`, 100 rounds):
+ * 1,536 / 3,072 bytes ahead 1.07x / 1.08x the speed of 768 (again 1.08x over 60 rounds); at 1 row
+ * 768 stays (1,536: 1.00-1.05x). End to end a tie (8 prompts, `--quantization q8_0`, avx2 held: 440
+ * against 443 output tok/s, medians of 3 ABBA runs): these rows spend more on widening than on reading. */
+#ifndef Q8_PREFETCH_FEW
+#define Q8_PREFETCH_FEW 3072
+#endif
 static inline __attribute__((always_inline)) void rows_q8(
         const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int *n,
         const int S, const int M) {
@@ -217,7 +230,7 @@ static inline __attribute__((always_inline)) void rows_q8(
         vf d[8];
         for (int s = 0; s < S; ++s) d[s] = splat(f16_to_f32(scale[s][b]));
         if ((b & 1) == 0)  /* a line every 64 bytes of each stream, Q8_PREFETCH bytes ahead (see NOTE) */
-            for (int s = 0; s < S; ++s) __builtin_prefetch(row[s] + b * VB_Q8_BLOCK + Q8_PREFETCH);
+            for (int s = 0; s < S; ++s) __builtin_prefetch(row[s] + b * VB_Q8_BLOCK + (S <= 2 ? Q8_PREFETCH_FEW : Q8_PREFETCH));
         for (int k = b * VB_Q8_BLOCK; k < (b + 1) * VB_Q8_BLOCK; k += VL) {
             vf xv[4];
             for (int m = 0; m < M; ++m) xv[m] = load_f32(x + (int64_t)m * k_in + k);
@@ -254,6 +267,21 @@ static inline __attribute__((always_inline)) void rows_q8(
 #define VB_F32_PREFETCH 0
 #endif
 #endif
+/* NOTE: passes of 3-4 rows of x read only 2 streams per thread (STREAMS below: 8 accumulators in
+ * 16 registers), and each weight line feeds 3-4 rows' FMAs, so its loads come further apart: too
+ * few misses in flight for the hardware prefetchers alone. There a prefetch 4 KB ahead helps on
+ * every CPU measured. Zen 4 (AMD EPYC, 2 threads; `python bench/small_rows.py --rows R --tier T
+ * --against <builds with -DVB_F32_PREFETCH_FEW=...>`, alternating in one process, 60-100 rounds),
+ * the avx2 tier over fp16 weights at 4 rows: 34.2-34.9 -> 47.2-47.4 GB/s (1.35-1.38x; 2 KB 1.28x,
+ * 3 KB 1.34x, 6-8 KB 1.37-1.38x), at 3 rows 1.14x (2 KB 1.09x); the avx512 tier at 4 rows 1.17x.
+ * At 1 and 2 rows (8 and 4 streams) the choice above stays: on Zen 4, 2 KB ahead at 2 rows gave
+ * 1.00-1.06x, 1 KB at 1 row 0.96x in some minutes and 1.09x in others. The portable tier, compiled
+ * for x86-64 without F16C, widens too slowly to wait on memory (7 GB/s at 4 rows): 0.98x there.
+ * End to end (avx2 held, `vbatch bench throughput --num-prompts P --input-len 128 --output-len
+ * 256`, ABBA): 4 prompts 1.17x, 8 prompts 1.14x (every round), 16 prompts 1.13x (noisier). */
+#ifndef VB_F32_PREFETCH_FEW
+#define VB_F32_PREFETCH_FEW 4096
+#endif
 static inline __attribute__((always_inline)) void rows_f32(
         const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int *n,
         const int S, const int M, const int FMT) {
@@ -270,8 +298,9 @@ static inline __attribute__((always_inline)) void rows_f32(
     for (int k = 0; k + VL <= k_in; k += VL) {
         vf xv[4];
         for (int m = 0; m < M; ++m) xv[m] = load_f32(x + (int64_t)m * k_in + k);
-        if (VB_F32_PREFETCH && (k * esize) % 64 == 0)  /* a line of each stream, VB_F32_PREFETCH bytes ahead */
-            for (int s = 0; s < S; ++s) __builtin_prefetch(row[s] + (int64_t)k * esize + VB_F32_PREFETCH);
+        const int ahead = S <= 2 ? VB_F32_PREFETCH_FEW : VB_F32_PREFETCH;
+        if (ahead && (k * esize) % 64 == 0)  /* a line of each stream, `ahead` bytes ahead */
+            for (int s = 0; s < S; ++s) __builtin_prefetch(row[s] + (int64_t)k * esize + ahead);
         for (int s = 0; s < S; ++s) {
             const vf wv = load_w(row[s], k, FMT);
             for (int m = 0; m < M; ++m) acc[s][m] += xv[m] * wv;
