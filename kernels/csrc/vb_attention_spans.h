@@ -16,8 +16,13 @@
  * next span's, line by line beside the loads of this one (a request's blocks sit anywhere in the
  * cache, so the hardware prefetcher cannot follow). Measured on the Intel Xeon, avx2 tier, 64 x 384
  * positions from memory: 56-58 ns per (position, kv head) without, 34-35 at 32 ahead, 37-38 at 16,
- * 37-39 at 64, 40-42 at 128 (docs/performance/intel-xeon.md, session 12). */
+ * 37-39 at 64, 40-42 at 128 (docs/performance/intel-xeon.md, session 12). On Zen 4 (avx2 tier, fp16
+ * cache, 256 x 384 positions in order, 2 threads; session 36, `python bench/decode_attention.py --tier
+ * avx2 --dtype float32 --kv-dtype float16 --order in-order --repeats 9 --against <a build with
+ * -DSPAN_PREFETCH=N>`): 16 / 48 / 64 / 96 ahead took 1.19x / 1.02x / 1.10x / 1.14x the time of 32. */
+#ifndef SPAN_PREFETCH
 #define SPAN_PREFETCH SPAN
+#endif
 /* A cache that needs more than a shift to widen (fp8, fp16) has each span's values widened once per
  * kv head into the scratch's key/value buffers (sc->kt: 16 x D + 16 x D floats in builds without
  * vdpbf16ps, = SPAN x D), not once per query head of the group. bench/decode_attention.py, avx2
