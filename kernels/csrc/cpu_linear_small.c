@@ -317,7 +317,22 @@ static inline __attribute__((always_inline)) void rows_f32(
 /* Streams for M rows of x: S x M accumulators (independent FMA chains, enough to cover the FMA
  * latency at the rate memory feeds them) within 8 of the 16 registers of AVX2 (and SSE / NEON),
  * the rest for the x and weight vectors. */
-#define STREAMS(M) ((M) == 1 ? 8 : (M) == 2 ? 4 : 2)
+/* At one row of x: 8 streams on narrow registers, 4 on 16 lanes.
+ * NOTE: why 4 on 16 lanes: on Zen 4 the avx512 tier over fp16 weights read 1.10x faster with 4
+ * than with 8 (`python bench/small_rows.py --tier avx512 --dtype float32 --weights float16 --rows 1
+ * --rounds 150 --against <a build with -DSTREAMS_1=4>`, twice, probe at 80 GB/s), as the Intel
+ * Xeon's 16-lane bf16 kernel did (BF16_STREAMS' NOTE: 19.5 GB/s at four, 19.0 at eight). The avx2
+ * tier's 8 were chosen on Zen 3 (the NOTE above rows_f32: 20.5 GB/s at eight against 19.9 at four,
+ * whose read probe gains 23% from four streams to eight); Zen 4 held to AVX2 reads 1.11-1.15x faster
+ * at four in the same race, in slow and fast minutes, so the race is owed on Zen 3. */
+#ifndef STREAMS_1
+#if VL == 16
+#define STREAMS_1 4
+#else
+#define STREAMS_1 8
+#endif
+#endif
+#define STREAMS(M) ((M) == 1 ? STREAMS_1 : (M) == 2 ? 4 : 2)
 
 /* This thread's share of the output rows (contiguous, the team's threads in order), cut into
  * STREAMS(M) equal parts read side by side; ends with the team's barrier like an `omp for`. */
