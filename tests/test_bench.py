@@ -442,9 +442,9 @@ def test_decode_attention_script_times_the_kernel(dtype, kv_dtype):
     assert " GB/s, " in done.stdout and " ns per (position, kv head) and thread" in done.stdout, done.stdout
 
 
-def test_decode_attention_script_races_another_build():
-    # --against: the same entry point of another library, alternating rounds in one process. Given
-    # this build's own library, both compute the same outputs (on the tiled path: --query-rows 8).
+def _race_against_this_build(script_name: str, *args: str):
+    """Run bench/<script_name> with `--against` this build's own library (so both builds compute
+    the same outputs); returns the finished process and the library's path."""
     import subprocess
     import sys
     from pathlib import Path
@@ -452,12 +452,19 @@ def test_decode_attention_script_races_another_build():
     native = cpu_native.load(cpu_features.selected_tier())
     if native is None:
         pytest.skip("no native kernels on this machine (no C compiler)")
-    script = Path(__file__).resolve().parents[1] / "bench" / "decode_attention.py"
-    done = subprocess.run([sys.executable, str(script), "--batch", "2", "--positions", "64", "--layers", "1",
-                           "--threads", "1", "--calls", "2", "--repeats", "3", "--dtype", "float32",
-                           "--kv-dtype", "float16", "--query-rows", "8", "--against", str(native.path)],
+    script = Path(__file__).resolve().parents[1] / "bench" / script_name
+    done = subprocess.run([sys.executable, str(script), *args, "--against", str(native.path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    return done, native.path
+
+
+def test_decode_attention_script_races_another_build():
+    # --against: the same entry point of another library, alternating rounds in one process (on the
+    # tiled path: --query-rows 8).
+    done, _ = _race_against_this_build(
+        "decode_attention.py", "--batch", "2", "--positions", "64", "--layers", "1", "--threads", "1", "--calls", "2",
+        "--repeats", "3", "--dtype", "float32", "--kv-dtype", "float16", "--query-rows", "8")
     assert "2 x 64 positions (8 query rows each), 1 layer(s)" in done.stdout, done.stdout
     assert "(medians of 3 alternating rounds); time ratio this / against: median " in done.stdout, done.stdout
     assert "outputs differ by at most 0\n" in done.stdout, done.stdout
@@ -596,20 +603,9 @@ def test_contention_script_runs_two_processes_at_once(tmp_path):
 
 
 def test_small_rows_script_races_another_build():
-    # --against: the same entry point of another library, raced in one process beside the read
-    # probe. Given this build's own library, both compute the same outputs.
-    import subprocess
-    import sys
-    from pathlib import Path
-    from vbatch.kernels import cpu_features, cpu_native
-    native = cpu_native.load(cpu_features.selected_tier())
-    if native is None:
-        pytest.skip("no native kernels on this machine (no C compiler)")
-    script = Path(__file__).resolve().parents[1] / "bench" / "small_rows.py"
-    done = subprocess.run([sys.executable, str(script), "--dtype", "float32", "--weights", "float16", "--rows", "3",
-                           "--layers", "1", "--threads", "1", "--rounds", "3", "--against", str(native.path)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    # --against: the same entry point of another library, raced in one process beside the read probe.
+    done, path = _race_against_this_build("small_rows.py", "--dtype", "float32", "--weights", "float16", "--rows", "3",
+                                          "--layers", "1", "--threads", "1", "--rounds", "3")
     assert "3 row(s) of float32 x float16 weights, 1 threads, 3 rounds alternating" in done.stdout, done.stdout
-    assert f"  {native.path}: " in done.stdout and "x this build, " in done.stdout, done.stdout
+    assert f"  {path}: " in done.stdout and "x this build, " in done.stdout, done.stdout
     assert "  probe 8 streams: " in done.stdout and "outputs differ by at most 0\n" in done.stdout, done.stdout
