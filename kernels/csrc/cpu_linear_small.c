@@ -317,14 +317,18 @@ static inline __attribute__((always_inline)) void rows_f32(
 /* Streams for M rows of x: S x M accumulators (independent FMA chains, enough to cover the FMA
  * latency at the rate memory feeds them) within 8 of the 16 registers of AVX2 (and SSE / NEON),
  * the rest for the x and weight vectors. */
-/* At one row of x: 8 streams on narrow registers, 4 on 16 lanes.
+/* At one row of x over fp32 / fp16 / bf16 weights: 8 streams on narrow registers, 4 on 16 lanes;
+ * over Q8_0 weights 8 on every tier.
  * NOTE: why 4 on 16 lanes: on Zen 4 the avx512 tier over fp16 weights read 1.10x faster with 4
  * than with 8 (`python bench/small_rows.py --tier avx512 --dtype float32 --weights float16 --rows 1
  * --rounds 150 --against <a build with -DSTREAMS_1=4>`, twice, probe at 80 GB/s), as the Intel
  * Xeon's 16-lane bf16 kernel did (BF16_STREAMS' NOTE: 19.5 GB/s at four, 19.0 at eight). The avx2
  * tier's 8 were chosen on Zen 3 (the NOTE above rows_f32: 20.5 GB/s at eight against 19.9 at four,
  * whose read probe gains 23% from four streams to eight); Zen 4 held to AVX2 reads 1.11-1.15x faster
- * at four in the same race, in slow and fast minutes, so the race is owed on Zen 3. */
+ * at four in the same race, in slow and fast minutes, so the race is owed on Zen 3.
+ * NOTE: why not for Q8_0: its int8 rows carry half the bytes per instruction (rows_q8's NOTE), and on
+ * 16 lanes they read faster at eight: 1.06x (avx512 tier) and 1.09x (avx512-bf16 tier's fp32 rows)
+ * the speed of four on Zen 4 (`--weights q8_0 --rows 1 --rounds 120 --against <-DSTREAMS_1=8>`). */
 #ifndef STREAMS_1
 #if VL == 16
 #define STREAMS_1 4
@@ -332,13 +336,13 @@ static inline __attribute__((always_inline)) void rows_f32(
 #define STREAMS_1 8
 #endif
 #endif
-#define STREAMS(M) ((M) == 1 ? STREAMS_1 : (M) == 2 ? 4 : 2)
+#define STREAMS(M, FMT) ((M) == 1 ? ((FMT) == VB_WEIGHT_Q8_0 ? 8 : STREAMS_1) : (M) == 2 ? 4 : 2)
 
 /* This thread's share of the output rows (contiguous, the team's threads in order), cut into
- * STREAMS(M) equal parts read side by side; ends with the team's barrier like an `omp for`. */
+ * STREAMS(M, FMT) equal parts read side by side; ends with the team's barrier like an `omp for`. */
 static inline __attribute__((always_inline)) void share_f32(
         const float *x, const void *w, const float *bias, float *y, int n_out, int k_in, const int M, const int FMT) {
-    const int S = STREAMS(M);
+    const int S = STREAMS(M, FMT);
     int begin, end;
     team_share(n_out, &begin, &end);
     const int part = (end - begin + S - 1) / S;
