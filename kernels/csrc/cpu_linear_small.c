@@ -269,8 +269,9 @@ static inline __attribute__((always_inline)) void rows_q8(
 #endif
 /* NOTE: passes of 3-4 rows of x read only 2 streams per thread (STREAMS below: 8 accumulators in
  * 16 registers), and each weight line feeds 3-4 rows' FMAs, so its loads come further apart: too
- * few misses in flight for the hardware prefetchers alone. There a prefetch 4 KB ahead helps on
- * every CPU measured. Zen 4 (AMD EPYC, 2 threads; `python bench/small_rows.py --rows R --tier T
+ * few misses in flight for the hardware prefetchers alone. There a prefetch 4 KB ahead helps; it is
+ * built in on every CPU, as the cause is, though only Zen 4 has measured it (Zen 3 and the Intel
+ * Xeon are owed). Zen 4 (AMD EPYC, 2 threads; `python bench/small_rows.py --rows R --tier T
  * --against <builds with -DVB_F32_PREFETCH_FEW=...>`, alternating in one process, 60-100 rounds),
  * the avx2 tier over fp16 weights at 4 rows: 34.2-34.9 -> 47.2-47.4 GB/s (1.35-1.38x; 2 KB 1.28x,
  * 3 KB 1.34x, 6-8 KB 1.37-1.38x), at 3 rows 1.14x (2 KB 1.09x); the avx512 tier at 4 rows 1.17x.
