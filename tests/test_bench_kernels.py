@@ -1,7 +1,9 @@
 """The scripts in bench/ that time the native kernels (small rows, decode attention, the GEMMs, the
-small-rows limit), each on a tiny real run: their arithmetic and what they print. Nothing here asserts a speed."""
+small-rows limit, the tuned constants' races), each on a tiny real run: their arithmetic and what they
+print. Nothing here asserts a speed."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+CSRC = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
 
 torch.set_num_threads(1)
 
@@ -133,3 +136,53 @@ def test_small_rows_script_races_another_build():
     assert "3 row(s) of float32 x float16 weights, 1 threads, 3 rounds alternating" in done.stdout, done.stdout
     assert f"  {path}: " in done.stdout and "x this build, " in done.stdout, done.stdout
     assert "  probe 8 streams: " in done.stdout and "outputs differ by at most 0\n" in done.stdout, done.stdout
+
+
+def _c_defaults(name: str) -> set[str]:
+    """The values kernels/csrc gives NAME where nothing overrides it (`#define NAME VALUE` after an
+    `#ifndef NAME`), a define naming another constant followed to its number."""
+    text = "\n".join(path.read_text() for path in sorted(CSRC.glob("*.[ch]")))
+    assert re.search(rf"^#ifndef {name}$", text, re.M), f"{name} is not an overridable constant of kernels/csrc"
+    values = set()
+    for value in re.findall(rf"^#define {name} (\w+)", text, re.M):
+        while not value.isdigit():
+            value = re.search(rf"^#define {value} (\w+)", text, re.M).group(1)
+        values.add(value)
+    return values
+
+
+def test_retune_lists_the_constants_the_c_sources_build_in():
+    # Every tier this CPU runs: each constant's kept value is one the C sources define for it, and its
+    # alternatives are other values (a race of a build against itself would say nothing).
+    from vbatch.kernels import cpu_features
+    for tier in cpu_features.detect().tiers:
+        done = subprocess.run([sys.executable, str(BENCH / "retune.py"), "--list", "--tier", tier.name],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        listed = re.findall(r"^(\w+): kept (\d+), raced against ([\d, ]+) by bench/(\w+\.py); ", done.stdout, re.M)
+        assert len(listed) == len(done.stdout.splitlines()) >= 4, done.stdout
+        for name, kept, alternatives, script in listed:
+            assert kept in _c_defaults(name), (tier.name, name, kept)
+            assert kept not in alternatives.split(", ") and (BENCH / script).exists(), (tier.name, name)
+    unknown = subprocess.run([sys.executable, str(BENCH / "retune.py"), "--only", "NO_SUCH", "--list"],
+                             capture_output=True, text=True, timeout=120)
+    assert unknown.returncode != 0 and "no tuned constant named NO_SUCH; known: " in unknown.stderr
+
+
+def test_retune_races_a_constant_against_the_kept_build():
+    # STREAMS_1 applies to every tier: one alternative build (compiled here, or reused from the cache),
+    # raced by bench/small_rows.py; the streams split the output rows, not a row's sum, so the two
+    # builds' outputs are equal.
+    from vbatch.kernels import cpu_features, cpu_native
+    tier = cpu_features.selected_tier()
+    if cpu_native.load(tier) is None:
+        pytest.skip("no native kernels on this machine (no C compiler)")
+    done = subprocess.run([sys.executable, str(BENCH / "retune.py"), "--only", "STREAMS_1", "--quick",
+                           "--threads", "1"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"Tier {tier.name} on " in done.stdout and "(--quick: not a verdict)" in done.stdout, done.stdout
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| STREAMS_1 |")]
+    assert len(rows) == 1, done.stdout
+    speed, differ, race = rows[0][4].strip(), rows[0][5].strip(), rows[0][6]
+    assert re.fullmatch(r"\d+\.\d{3}x", speed) and float(speed[:-1]) > 0, rows[0]
+    assert differ == "0" and "python bench/small_rows.py " in race and "--against <-DSTREAMS_1=" in race, rows[0]
