@@ -53,7 +53,7 @@ class Knob:
 
 SMALL_ROWS = ("--rounds", "60")
 SMALL_ROWS_QUICK = ("--rounds", "3", "--layers", "2")
-ATTENTION = ("--repeats", "9")
+ATTENTION = ("--repeats", "15", "--calls", "100")
 ATTENTION_QUICK = ("--repeats", "3", "--calls", "2", "--layers", "1")
 ALL = ("avx512-bf16", "avx512", "avx2", "portable")
 NARROW = ("avx2", "portable")
