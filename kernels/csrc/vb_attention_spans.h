@@ -23,16 +23,32 @@
 #ifndef SPAN_PREFETCH
 #define SPAN_PREFETCH SPAN
 #endif
-/* A cache that needs more than a shift to widen (fp8, fp16) has each span's values widened once per
- * kv head into the scratch's key/value buffers (sc->kt: 16 x D + 16 x D floats in builds without
- * vdpbf16ps, = SPAN x D), not once per query head of the group. bench/decode_attention.py, avx2
- * tier on the Intel Xeon, fp32 queries, 2 alternating rounds: fp16 cache 22.7-23.0 -> 20.5-20.9 ns
- * per position and kv head in L2 (--batch 4 --positions 256 --layers 1 --threads 1), 43.8-44.2 ->
- * 42.4-44.1 from memory (256 x 384); E4M3 46.8-51.0 -> 33.9-35.0, E5M2 36.1-40.4 -> 32.8-33.0.
- * On Zen 3 (session 14, the same tree built with and without, 3 alternating rounds, in L2): fp16
- * 40.6 / 26.2 / 26.7 -> 36.5 / 24.1 / 24.7, E4M3 59.2 / 42.3 / 58.6 -> 41.7 / 29.6 / 34.1; from
- * memory within noise. */
-#if defined(VB_KV_E4M3) || defined(VB_KV_E5M2) || defined(VB_KV_F16)
+/* p.v (span_pv) takes the group's query heads PV_HEADS at a time: for a 16-bit cache (fp16, bf16:
+ * the avx2 and portable tiers' defaults) three, so each value vector is loaded and widened once for
+ * three heads, 3 x 4 accumulators in the registers; before, one head at a time re-read the span's
+ * values per head (fp16 from a span widened once per kv head, as fp8 still is below). Raced in one
+ * process against the build before (Zen 4, avx2 tier, fp32 queries, `python bench/decode_attention.py
+ * --tier avx2 --dtype float32 --kv-dtype K --repeats 9 --against <before>`; time ratios): fp16 0.887
+ * in L2 (--batch 4 --positions 256 --layers 1 --threads 1 --calls 1000), 0.90-0.97 from memory (256
+ * x 384 positions, 30 layers, 2 threads); bf16 0.71 / 0.81; the portable tier over bf16 0.84 / 0.88;
+ * outputs identical (the sums run over the positions in the same order).
+ * NOTE: why not for fp32 and fp8 caches: there the three-head p.v measured 0.96-0.98 in L2 but 1.08x
+ * the time from memory (fp32), and 1.03-1.05x (fp8, over its widened span), so those keep one head
+ * at a time (PV_HEADS 1: 8 accumulators, each value row read from L1 per head). */
+#if defined(VB_KV_E4M3) || defined(VB_KV_E5M2) || (defined(VB_ACT_F32) && !defined(VB_KV_F16) && !defined(VB_KV_BF16))
+#define PV_HEADS 1
+#else
+#define PV_HEADS SCORE_HEADS
+#endif
+/* An fp8 cache has each span's values widened once per kv head into the scratch's key/value buffers
+ * (sc->kt: 16 x D + 16 x D floats in builds without vdpbf16ps, = SPAN x D), not once per query head
+ * of the group. bench/decode_attention.py, avx2 tier on the Intel Xeon, fp32 queries, 2 alternating
+ * rounds, in L2 (--batch 4 --positions 256 --layers 1 --threads 1): E4M3 46.8-51.0 -> 33.9-35.0,
+ * E5M2 36.1-40.4 -> 32.8-33.0 ns per position and kv head; on Zen 3 (session 14, 3 alternating
+ * rounds) E4M3 59.2 / 42.3 / 58.6 -> 41.7 / 29.6 / 34.1. (fp16 was widened so too until session 37:
+ * 22.7-23.0 -> 20.5-20.9 on the Xeon, 40.6 / 26.2 / 26.7 -> 36.5 / 24.1 / 24.7 on Zen 3; the
+ * three-head p.v above widens each value once without the buffer.) */
+#if defined(VB_KV_E4M3) || defined(VB_KV_E5M2)
 #define SPAN_VALUES_WIDENED 1
 #else
 #define SPAN_VALUES_WIDENED 0
@@ -110,6 +126,36 @@ static inline __attribute__((always_inline)) void span_scores(
     }
 }
 
+/* acc[g] = alpha[g] acc[g] + sum_o w[g][o] v_o (g < GG) over the span's n value rows: GG query heads
+ * at once, CV vectors of the head dim at a time (GG x CV accumulators, GG weights and a value in the
+ * registers: 16 for 3 x 4; one head: 8 vectors), so each value vector is loaded (and widened) once
+ * for the GG heads and every accumulator gets an independent FMA per position. The weights are
+ * broadcast straight from memory (load_splat: splat() would spend a 17th register). The sums run
+ * over o in order, as one head at a time does (PV_HEADS 1), so the outputs are the same bits. The
+ * first chunk prefetches the value rows SPAN_PREFETCH ahead. */
+static inline __attribute__((always_inline)) void span_pv(
+        const Problem *p, const ItemView *iv, const kv_t *const *vrows /* [n] */, const float *w /* [GG, SPAN] */, const float *alpha /* [GG] */, float *acc /* [GG, D] */, int s0, int n,
+        int h, int block_shift, int prefetch_len, const int NV, const int GG) {
+    const int D = NV * VL, CV = GG == 1 && NV % 8 == 0 ? 8 : NV % 4 == 0 ? 4 : NV % 2 == 0 ? 2 : 1;
+    for (int c0 = 0; c0 < NV; c0 += CV) {
+        vf a[SCORE_HEADS][8];
+        for (int g = 0; g < GG; ++g)
+            for (int j = 0; j < CV; ++j) a[g][j] = load_f32(acc + g * D + VL * (c0 + j)) * alpha[g];
+        for (int o = 0; o < n; ++o) {
+            if (c0 == 0)
+                prefetch_row(p->value_cache, iv, p->block_size, block_shift, s0 + o + SPAN_PREFETCH, prefetch_len, h, D);
+            vf wg[SCORE_HEADS];
+            for (int g = 0; g < GG; ++g) wg[g] = load_splat(w + g * SPAN + o);
+            for (int j = 0; j < CV; ++j) {
+                const vf v = load_kv(vrows[o] + VL * (c0 + j));
+                for (int g = 0; g < GG; ++g) a[g][j] += wg[g] * v;
+            }
+        }
+        for (int g = 0; g < GG; ++g)
+            for (int j = 0; j < CV; ++j) store_f32(acc + g * D + VL * (c0 + j), a[g][j]);
+    }
+}
+
 /* Narrow registers (AVX2, SSE, NEON): one query row over spans of SPAN positions, the item's kv
  * heads one after another inside each span (a span's cache rows, all heads, are read from memory
  * once and used while in L1): the scores of every query head of the group (span_scores), then
@@ -156,7 +202,7 @@ static inline __attribute__((always_inline)) void attend_row_spans(
                 else span_scores(p, iv, q + g0 * D, s0, n, h, block_shift, ahead, out, NV, 1);
             }
 #if SPAN_VALUES_WIDENED
-            /* the span's values of this kv head widened once for every query head of the group */
+            /* fp8: the span's values of this kv head widened once for every query head of the group */
             float *vspan = (float *)sc->kt;
             for (int o = 0; o < n; ++o) {
                 const kv_t *vrow = cache_row(p->value_cache, iv, p->block_size, block_shift, s0 + o, h, D);
@@ -165,6 +211,9 @@ static inline __attribute__((always_inline)) void attend_row_spans(
                 for (int c = 0; c < NV; ++c) store_f32(vspan + o * D + VL * c, load_kv(vrow + VL * c));
             }
 #endif
+            /* softmax per query head: the span's weights in place, the running max and sum; with
+               PV_HEADS 1 the head's p.v follows at once */
+            float alpha[MAX_GROUP];
             for (int g = 0; g < G; ++g) {
                 float *sg = sc->scores + g * SPAN;
                 vf vmax = splat(-FLT_MAX);
@@ -172,7 +221,8 @@ static inline __attribute__((always_inline)) void attend_row_spans(
                     const vf sv = load_f32(sg + o0);
                     vmax = max_lanes(vmax, n - o0 < VL ? select_lanes(mask_lanes_below(n - o0), sv, splat(-FLT_MAX)) : sv);
                 }
-                const float top = hmax(vmax), new_m = top > m[g] ? top : m[g], alpha = exp1(m[g] - new_m);
+                const float top = hmax(vmax), new_m = top > m[g] ? top : m[g];
+                alpha[g] = exp1(m[g] - new_m);
                 m[g] = new_m;
                 vf lsum = splat(0.0f);
                 for (int o0 = 0; o0 < n; o0 += VL) {
@@ -181,10 +231,11 @@ static inline __attribute__((always_inline)) void attend_row_spans(
                     store_f32(sg + o0, e);
                     lsum += e;
                 }
-                l[g] = l[g] * alpha + hsum(lsum);
+                l[g] = l[g] * alpha[g] + hsum(lsum);
+#if PV_HEADS == 1
                 vf a[MAX_HEAD_DIM / VL];
 #pragma GCC unroll 16
-                for (int c = 0; c < NV; ++c) a[c] = load_f32(acc + g * D + VL * c) * alpha;
+                for (int c = 0; c < NV; ++c) a[c] = load_f32(acc + g * D + VL * c) * alpha[g];
                 for (int o = 0; o < n; ++o) {
                     const float w = sg[o];
 #if SPAN_VALUES_WIDENED
@@ -200,7 +251,22 @@ static inline __attribute__((always_inline)) void attend_row_spans(
                 }
 #pragma GCC unroll 16
                 for (int c = 0; c < NV; ++c) store_f32(acc + g * D + VL * c, a[c]);
+#endif
             }
+#if PV_HEADS > 1
+            /* p.v: the group's query heads three at a time over the span's value rows */
+            const kv_t *vrows[SPAN];
+            for (int o = 0; o < n; ++o)
+                vrows[o] = cache_row(p->value_cache, iv, p->block_size, block_shift, s0 + o, h, D);
+            for (int g0 = 0; g0 < G; g0 += PV_HEADS) {
+                const int gg = G - g0 < PV_HEADS ? G - g0 : PV_HEADS;
+                const float *w = sc->scores + g0 * SPAN;
+                const int ahead = g0 == 0 ? prefetch_len : 0;   /* the first group's pass prefetches */
+                if (gg == 3) span_pv(p, iv, vrows, w, alpha + g0, acc + g0 * D, s0, n, h, block_shift, ahead, NV, 3);
+                else if (gg == 2) span_pv(p, iv, vrows, w, alpha + g0, acc + g0 * D, s0, n, h, block_shift, ahead, NV, 2);
+                else span_pv(p, iv, vrows, w, alpha + g0, acc + g0 * D, s0, n, h, block_shift, ahead, NV, 1);
+            }
+#endif
         }
     }
     if (it->split >= 0) {   /* every kv head (vb_attention_plan) */
