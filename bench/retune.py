@@ -148,8 +148,10 @@ def main() -> int:
     ap.add_argument("--list", action="store_true", help="print the constants and their races, run nothing")
     args = ap.parse_args()
 
-    from vbatch.kernels import cpu_features
+    from vbatch.kernels import cpu_features, cpu_native
     tier = cpu_features.tier_named(args.tier) if args.tier else cpu_features.selected_tier()
+    if not args.list and cpu_native.load(tier) is None:
+        raise SystemExit(f"no native {tier.name} kernels here (no C compiler, or VBATCH_CPU_NATIVE=0): nothing to race")
     known = {knob.name for knob in KNOBS}
     unknown = sorted(set(args.only or ()) - known)
     if unknown:
