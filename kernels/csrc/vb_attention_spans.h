@@ -134,7 +134,8 @@ static inline __attribute__((always_inline)) void span_scores(
  * over o in order, as one head at a time does (PV_HEADS 1), so the outputs are the same bits. The
  * first chunk prefetches the value rows SPAN_PREFETCH ahead. */
 static inline __attribute__((always_inline)) void span_pv(
-        const Problem *p, const ItemView *iv, const kv_t *const *vrows /* [n] */, const float *w /* [GG, SPAN] */, const float *alpha /* [GG] */, float *acc /* [GG, D] */, int s0, int n,
+        const Problem *p, const ItemView *iv, const kv_t *const *vrows /* [n] */, const float *w /* [GG, SPAN] */,
+        const float *alpha /* [GG] */, float *acc /* [GG, D] */, int s0, int n,
         int h, int block_shift, int prefetch_len, const int NV, const int GG) {
     const int D = NV * VL, CV = GG == 1 && NV % 8 == 0 ? 8 : NV % 4 == 0 ? 4 : NV % 2 == 0 ? 2 : 1;
     for (int c0 = 0; c0 < NV; c0 += CV) {
@@ -262,9 +263,10 @@ static inline __attribute__((always_inline)) void attend_row_spans(
                 const int gg = G - g0 < PV_HEADS ? G - g0 : PV_HEADS;
                 const float *w = sc->scores + g0 * SPAN;
                 const int ahead = g0 == 0 ? prefetch_len : 0;   /* the first group's pass prefetches */
-                if (gg == 3) span_pv(p, iv, vrows, w, alpha + g0, acc + g0 * D, s0, n, h, block_shift, ahead, NV, 3);
-                else if (gg == 2) span_pv(p, iv, vrows, w, alpha + g0, acc + g0 * D, s0, n, h, block_shift, ahead, NV, 2);
-                else span_pv(p, iv, vrows, w, alpha + g0, acc + g0 * D, s0, n, h, block_shift, ahead, NV, 1);
+                float *ag = acc + g0 * D;
+                if (gg == 3) span_pv(p, iv, vrows, w, alpha + g0, ag, s0, n, h, block_shift, ahead, NV, 3);
+                else if (gg == 2) span_pv(p, iv, vrows, w, alpha + g0, ag, s0, n, h, block_shift, ahead, NV, 2);
+                else span_pv(p, iv, vrows, w, alpha + g0, ag, s0, n, h, block_shift, ahead, NV, 1);
             }
 #endif
         }
