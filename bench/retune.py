@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-WIDE = ("avx512-bf16", "avx512")   # tiers built with 16 lanes (kernels/csrc/vb_simd.h VL)
 
 
 @dataclass(frozen=True)

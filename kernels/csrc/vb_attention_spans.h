@@ -29,11 +29,11 @@
  * values per head (fp16 from a span widened once per kv head, as fp8 still is below). Raced in one
  * process against the build before (Zen 4, avx2 tier, fp32 queries, `python bench/decode_attention.py
  * --tier avx2 --dtype float32 --kv-dtype K --repeats 9 --against <before>`; time ratios): fp16 0.887
- * in L2 (--batch 4 --positions 256 --layers 1 --threads 1 --calls 1000), 0.90-0.97 from memory (256
+ * in L2 (--batch 4 --positions 256 --layers 1 --threads 1 --calls 1000), 0.90-0.99 from memory (256
  * x 384 positions, 30 layers, 2 threads); bf16 0.71 / 0.81; the portable tier over bf16 0.84 / 0.88;
  * outputs identical (the sums run over the positions in the same order).
  * NOTE: why not for fp32 and fp8 caches: there the three-head p.v measured 0.96-0.98 in L2 but 1.08x
- * the time from memory (fp32), and 1.03-1.05x (fp8, over its widened span), so those keep one head
+ * the time from memory (fp32), and 1.03-1.08x (fp8, over its widened span), so those keep one head
  * at a time (PV_HEADS 1: 8 accumulators, each value row read from L1 per head). */
 #if defined(VB_KV_E4M3) || defined(VB_KV_E5M2) || (defined(VB_ACT_F32) && !defined(VB_KV_F16) && !defined(VB_KV_BF16))
 #define PV_HEADS 1

@@ -59,14 +59,12 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 
 static inline vf splat(float x) { return (vf){0} + x; }
 
-/* *p in every lane, as one broadcast load where the ISA has one. splat(*p) compiles to a zeroed
- * register, a scalar add and a broadcast (0 + x is not x for x = -0.0, so the add stays without
- * -ffast-math): a register more than the 16-register AVX2 loops that use this can spare. */
+/* *p in every lane, as one broadcast load on AVX. splat(*p) compiles to a zeroed register, a scalar
+ * add and a broadcast (0 + x is not x for x = -0.0, so the add stays without -ffast-math): a
+ * register more than the 16-register AVX2 loops that use this (vb_attention_spans.h) can spare. */
 static inline vf load_splat(const float *p) {
 #if VL == 8 && defined(__AVX__) && !defined(VB_LANES)
     return (vf)_mm256_broadcast_ss(p);
-#elif VL == 16 && defined(__AVX512F__) && !defined(VB_LANES)
-    return (vf)_mm512_set1_ps(*p);
 #else
     return splat(*p);
 #endif
