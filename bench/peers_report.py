@@ -3,7 +3,8 @@
 Pure formatting over the run records peers.py collected (plus a few facts read from the machine:
 lscpu, meminfo, versions, the git commit). Returns this CPU kind's section as markdown and, when
 given a path, writes it into that file (docs/benchmarks.md): one section per CPU kind (the native
-kernel tier that ran, and AMX where bf16 GEMMs use it: kernels/cpu_features.machine_kind), between
+kernel tier that ran, AMX where bf16 GEMMs use it, Zen 5 apart from Zen 4:
+kernels/cpu_features.machine_kind), between
 `<!-- cpu-kind NAME -->` markers; a run
 replaces its own kind's section and keeps the others.
 """
@@ -44,13 +45,27 @@ KIND_TITLES = {"avx512-bf16": "AVX-512 with avx512_bf16", "avx512-bf16-amx": "AV
                "portable": "no AVX2 (portable kernels)"}
 
 
+ZEN5 = "-zen5"   # an AVX-512 tier on AMD Zen 5, full-width 512-bit vectors (cpu_features.machine_kind)
+
+
 def kind_title(kind: str) -> str:
     """The heading of a kind's section: "AVX2 + FMA + F16C, no AVX-512"; for a tier forced below the
     CPU's best (cpu_features.machine_kind "<tier>-on-<kind>"), that tier's title on the other kind."""
     tier, _, host = kind.partition("-on-")
     if host:
-        return f"{KIND_TITLES.get(tier, tier)} kernels, forced on a CPU of kind {KIND_TITLES.get(host, host)}"
-    return KIND_TITLES.get(kind, kind)
+        return f"{_title(tier)} kernels, forced on a CPU of kind {_title(host)}"
+    return _title(kind)
+
+
+def _title(kind: str) -> str:
+    base = kind.removesuffix(ZEN5)
+    return KIND_TITLES.get(base, base) + (" at full width (AMD Zen 5)" if kind.endswith(ZEN5) else "")
+
+
+def kind_targets(kind: str) -> list[tuple[str, str, float]]:
+    """The targets of a kind's section: its tier's (a Zen 5 kind: the same tier's on any CPU); a tier
+    forced below the CPU's best, or one without targets of its own: the AVX2 machine's."""
+    return TARGETS.get(kind.removesuffix(ZEN5), TARGETS["avx2"])
 
 
 def _median(values):
@@ -82,7 +97,13 @@ def machine_facts(repo: Path) -> dict[str, str]:
     flags = lscpu.get("Flags", "").split()
     commit = _sh(["git", "rev-parse", "--short", "HEAD"], repo)
     dirty = _sh(["git", "status", "--porcelain", "--untracked-files=no"], repo)
-    return {"cpu": lscpu.get("Model name", platform.processor()), "cpus": lscpu.get("CPU(s)", "?"),
+    family = "?"
+    if "CPU family" in lscpu and "Model" in lscpu:   # x86: AMD's generation follows from them
+        from vbatch.kernels import cpu_features      # here: the formatting above needs no torch
+        zen = cpu_features.detect().amd_zen
+        family = f"{lscpu['CPU family']}, model {lscpu['Model']}" + (f" (AMD Zen {zen})" if zen else "")
+    return {"cpu": lscpu.get("Model name", platform.processor()), "cpu family": family,
+            "cpus": lscpu.get("CPU(s)", "?"),
             "threads per core": lscpu.get("Thread(s) per core", "?"),
             "isa": ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "?",
             "memory": f"{mem_kb / 2**20:.1f} GiB", "kernel": platform.release(),
@@ -168,7 +189,7 @@ def _target(name: str, value, goal: float, pct: bool = False) -> str:
 def _target_lines(kind: str, rows: list[dict], fractions: dict) -> list[str]:
     vb = _best(rows, "vbatch")
     lines = []
-    for label, what, goal in TARGETS.get(kind, TARGETS["avx2"]):
+    for label, what, goal in kind_targets(kind):
         if what in ("compute", "bandwidth"):
             line = _target(label, fractions.get(what), goal, pct=True)
             if what == "bandwidth" and vb and vb["same_minute_bandwidth"] is not None:
@@ -278,9 +299,10 @@ the same prompts (the same token ids: vbatch's seeded random dataset, ids unifor
 without special tokens), the same output length with EOS ignored, temperature 1, the same thread count,
 its own process and its own high-priority session; systems alternate and their order rotates every
 repetition. Numbers are medians over the repetitions. Engine build / model load is never timed (vLLM's
-`bench throughput` semantics). One section per CPU kind: the native-kernel tier vbatch ran, and AMX
-where its bf16 GEMMs ran on it (kernels/cpu_features.py), with the CPU flags that chose them; a run
-replaces its own kind's section."""
+`bench throughput` semantics). One section per CPU kind: the native-kernel tier vbatch ran, AMX
+where its bf16 GEMMs ran on it, and AMD Zen 5 (full-width AVX-512) apart from Zen 4
+(kernels/cpu_features.py machine_kind), with the CPU flags that chose them; a run replaces its own
+kind's section."""
 
 FOOTER = """## Measuring vbatch alone
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.errors import ConfigError
-from .cpuinfo import BF16_TIER_NAME, TIER_ENV, read_cpuinfo
+from .cpuinfo import BF16_TIER_NAME, TIER_ENV, read_cpuinfo, read_family_model
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,21 @@ class CpuFeatures:
     model_name: str            # the CPU's marketing name, for reports
     flags: frozenset[str]      # /proc/cpuinfo `flags` (x86) or `Features` (ARM)
     vendor: str = ""           # /proc/cpuinfo `vendor_id` (x86): AuthenticAMD, GenuineIntel; "" elsewhere
+    family_model: tuple[int, int] | None = None   # x86 `cpu family` and `model`; None elsewhere
+
+    @property
+    def amd_zen(self) -> int | None:
+        """The AMD Zen generation from the x86 family and model (AMD's family / model tables): family
+        23 is Zen and Zen+ (models below 0x30) or Zen 2; 25 is Zen 3 or, at models 0x10-0x1f, 0x60-0x7f
+        and 0xa0-0xaf, Zen 4; 26 is Zen 5. None for other CPUs and unknown numbers."""
+        if not self.is_amd or self.family_model is None:
+            return None
+        family, model = self.family_model
+        if family == 23:
+            return 2 if model >= 0x30 else 1
+        if family == 25:
+            return 4 if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else 3
+        return 5 if family == 26 else None
 
     def has(self, *flags: str) -> bool:
         return all(flag in self.flags for flag in flags)
@@ -136,7 +151,9 @@ class CpuFeatures:
         an AVX-512 tier, avx512-bf16 or avx512 (kernels/cpu_q8_0_linear.py gemm_choice). AMD: Zen 4
         runs each 512-bit FMA as two 256-bit halves, so oneDNN's AVX-512 fp32 gets no more
         multiply-adds a cycle than AVX2, and the integer GEMM's 16 products per instruction win
-        (1.26-1.47x there, 1.24x end to end).
+        (1.26-1.47x there, 1.24x end to end). Zen 5's FMAs are full width, yet there the integer GEMM
+        with AVX-VNNI still ran 1.00 / 1.00 / 1.00 / 0.97x the fastest at 16 / 64 / 256 / 2,048 rows
+        and oneDNN's fp32 0.79 / 0.88 / 0.98 / 1.00x (`bench/gemm_backends.py --q8-0`, session 38).
         Intel's AVX-512 FMAs are full width: the integer GEMM ran 0.74-1.16x there (session 15)."""
         return self.is_amd
 
@@ -157,7 +174,8 @@ class CpuFeatures:
 @functools.cache
 def detect() -> CpuFeatures:
     model, vendor, flags = read_cpuinfo()
-    return CpuFeatures(machine=platform.machine(), model_name=model, flags=flags, vendor=vendor)
+    return CpuFeatures(machine=platform.machine(), model_name=model, flags=flags, vendor=vendor,
+                       family_model=read_family_model())
 
 
 def tier_named(name: str, features: CpuFeatures | None = None) -> CpuTier:
@@ -179,9 +197,15 @@ def machine_kind(tier: CpuTier | None = None, cpu: CpuFeatures | None = None) ->
     "-amx" where bf16 GEMMs run on AMX tiles (oneDNN's, kernels/cpu_linear.py: 2-4x the avx512_bf16
     rate on an Intel Xeon), a different machine for every large-batch figure. A tier below the
     CPU's best (VBATCH_CPU_TIER) is filed as "<tier>-on-<the CPU's own kind>": its figures come from
-    a faster machine and must not replace those of a CPU whose best tier it is."""
+    a faster machine and must not replace those of a CPU whose best tier it is. An AVX-512 tier on AMD
+    Zen 5 is filed as "<tier>-zen5": Zen 5 runs 512-bit vectors at full width where Zen 4 splits
+    each into two 256-bit halves, twice the multiply-adds a cycle (fp32 registers-only peak 529-538
+    against 262 GFLOP/s for 8-lane vectors on the same 2 cores; bf16 GEMMs ~980 GFLOP/s against
+    Zen 4's 444: session 38), so its large-batch figures are another machine's too."""
     tier, cpu = tier or selected_tier(), cpu or detect()
     own = tier.name + ("-amx" if tier.bf16_compute and cpu.has("amx_bf16") else "")
+    if "avx512f" in tier.required_flags and cpu.amd_zen == 5:
+        own += "-zen5"
     best = cpu.tiers[0]
     return own if tier == best or not tier.runs_on(cpu) else f"{own}-on-{machine_kind(best, cpu)}"
 

@@ -1,6 +1,7 @@
 """This CPU as /proc/cpuinfo describes it, without torch (kernels/openmp_env.py reads it before torch loads).
 
     read_cpuinfo() -> (model name, vendor_id, flags)   of the first processor listed
+    read_family_model() -> (cpu family, model) | None  its x86 family and model numbers (None elsewhere)
     TIER_ENV                                           the variable that forces a native-kernel tier
     BF16_TIER_NAME                                     the tier that computes in bf16 (kernels/cpu_features.py)
 
@@ -15,27 +16,52 @@ TIER_ENV = "VBATCH_CPU_TIER"
 BF16_TIER_NAME = "avx512-bf16"
 
 
-def read_cpuinfo() -> tuple[str, str, frozenset[str]]:
-    """(model name, vendor_id, flags) of the first processor in /proc/cpuinfo.
+def _first_processor() -> dict[str, str] | None:
+    """The first processor's block of /proc/cpuinfo, {lower-case key: value} (a key's first value);
+    None where the file cannot be read.
 
     NOTE: it stops at the end of the first processor's block once it has the flags and the model
     (x86 lists both there): the kernel writes the file one processor at a time (with each one's
     clock), so on a machine of hundreds of cores reading all of it costs milliseconds, and `import
-    vbatch` reads it (kernels/openmp_env.py)."""
-    model, vendor, flags = "unknown", "", frozenset()
+    vbatch` reads it (kernels/openmp_env.py). ARM may name its board (Hardware) after the last
+    processor, so without a model there it reads on."""
+    block: dict[str, str] = {}
     try:
         with Path("/proc/cpuinfo").open() as f:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip().lower()
-                if not key and flags and model != "unknown":
-                    break   # the blank line after the first processor (ARM may name its board at the end)
-                if key in ("model name", "cpu model", "hardware") and model == "unknown":
-                    model = value.strip()
-                elif key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key in ("flags", "features") and not flags:
-                    flags = frozenset(value.split())
+                if not key:
+                    if _flags(block) and _model(block) != "unknown":
+                        break   # the blank line after the first processor
+                    continue
+                block.setdefault(key, value.strip())
     except OSError:
+        return None
+    return block
+
+
+def _model(block: dict[str, str]) -> str:
+    return next((block[k] for k in ("model name", "cpu model", "hardware") if k in block), "unknown")
+
+
+def _flags(block: dict[str, str]) -> frozenset[str]:
+    return frozenset((block.get("flags") or block.get("features") or "").split())
+
+
+def read_cpuinfo() -> tuple[str, str, frozenset[str]]:
+    """(model name, vendor_id, flags) of the first processor in /proc/cpuinfo."""
+    block = _first_processor()
+    if block is None:
         return platform.processor() or "unknown", "", frozenset()
-    return model, vendor, flags
+    return _model(block), block.get("vendor_id", ""), _flags(block)
+
+
+def read_family_model() -> tuple[int, int] | None:
+    """(cpu family, model) of the first processor, as x86 numbers them (AMD Zen 4: 25 and 0x10-0x1f,
+    0x60-0x7f or 0xa0-0xaf; Zen 5: 26); None where /proc/cpuinfo has no such numbers (ARM)."""
+    block = _first_processor() or {}
+    try:
+        return int(block["cpu family"]), int(block["model"])
+    except (KeyError, ValueError):
+        return None

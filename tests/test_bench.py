@@ -378,6 +378,18 @@ def test_peers_report_keeps_a_section_per_cpu_kind_with_its_targets(tmp_path):
     assert cascade.startswith("<!-- cpu-kind avx512 -->\n## AVX-512 without avx512_bf16: ")
     assert "(its best batch and dtype): **3.25x** (target ≥ 3.0x: met)" in cascade
     assert all(section in out.read_text() for section in (text, amx, zen4_section, held, cascade))
+    # Zen 5 (full-width AVX-512: cpu_features.machine_kind) does not replace Zen 4's section; it has
+    # the avx512-bf16 targets, and the avx2 tier forced there is filed apart from both
+    zen5 = report.write_report(zen4, ceilings, spec | {"cpu_kind": "avx512-bf16-zen5", "cpu_tier": "avx512-bf16"},
+                               SimpleNamespace(repeats=1), ["p"], out)
+    assert zen5.startswith("<!-- cpu-kind avx512-bf16-zen5 -->\n## AVX-512 with avx512_bf16 at full width "
+                           "(AMD Zen 5): ")
+    assert "vbatch ÷ vLLM CPU" in zen5 and "(its best batch): " in zen5
+    on_zen5 = report.write_report(records, ceilings, spec | {"cpu_kind": "avx2-on-avx512-bf16-zen5", "cpu_tier": "avx2"},
+                                  SimpleNamespace(repeats=1), ["p"], out)
+    assert "forced on a CPU of kind AVX-512 with avx512_bf16 at full width (AMD Zen 5): " in on_zen5
+    assert "(its best batch and dtype): **3.25x** (target ≥ 3.0x: met)" in on_zen5
+    assert all(section in out.read_text() for section in (text, amx, zen4_section, held, cascade, zen5, on_zen5))
     # Notes written by hand after a kind's section stay after it when that kind or another is rerun.
     note = "### The AVX-512 machine's vLLM run\n\nwritten by hand"
     out.write_text(out.read_text().replace("<!-- /cpu-kind avx512-bf16 -->", "<!-- /cpu-kind avx512-bf16 -->\n\n" + note))

@@ -54,6 +54,29 @@ def test_machine_kind_names_amx_where_bf16_gemms_use_it():
     assert cpu_features.machine_kind(AVX512, _features(ZEN4)) == "avx512-on-avx512-bf16"
 
 
+@pytest.mark.parametrize("vendor,family_model,zen", [
+    ("AuthenticAMD", (23, 0x01), 1), ("AuthenticAMD", (23, 0x31), 2),     # EPYC Naples, Rome
+    ("AuthenticAMD", (25, 0x01), 3), ("AuthenticAMD", (25, 0x21), 3),     # EPYC Milan, Ryzen 5000
+    ("AuthenticAMD", (25, 0x11), 4), ("AuthenticAMD", (25, 0x61), 4),     # EPYC Genoa, Ryzen 7000
+    ("AuthenticAMD", (25, 0xA0), 4), ("AuthenticAMD", (26, 0x02), 5),     # EPYC Bergamo, Turin
+    ("AuthenticAMD", (27, 0x00), None), ("AuthenticAMD", None, None),     # unknown numbers, none (ARM)
+    ("GenuineIntel", (6, 143), None)])                                    # Sapphire Rapids
+def test_the_amd_zen_generation_follows_family_and_model(vendor, family_model, zen):
+    cpu = CpuFeatures("x86_64", "test", frozenset(ZEN4.split()), vendor, family_model)
+    assert cpu.amd_zen == zen
+
+
+def test_machine_kind_files_zen5_apart_on_its_avx512_tiers():
+    # Zen 5 runs 512-bit vectors at full width, Zen 4 in two halves: another machine for large batches;
+    # the 8-lane tier forced there is filed under the host kind, like every forced tier
+    zen5, zen4 = (CpuFeatures("x86_64", "AMD EPYC", frozenset(ZEN4.split()), "AuthenticAMD", (family, model))
+                  for family, model in ((26, 2), (25, 0x11)))
+    assert cpu_features.machine_kind(AVX512_BF16, zen5) == "avx512-bf16-zen5"
+    assert cpu_features.machine_kind(AVX2, zen5) == "avx2-on-avx512-bf16-zen5"
+    assert cpu_features.machine_kind(AVX512_BF16, zen4) == "avx512-bf16"
+    assert cpu_features.machine_kind(AVX2, zen4) == "avx2-on-avx512-bf16"
+
+
 def test_the_avx512_tier_computes_fp32_in_16_lanes_through_onednn():
     # no bf16 arithmetic: fp32 over fp16-stored weights; the GEMMs stay with the library (its AVX-512
     # fp32 kernels), and the build targets AVX-512 without naming avx512_bf16
@@ -69,20 +92,23 @@ def test_arm_runs_the_portable_tier():
 
 
 def test_cpuinfo_is_parsed_for_x86_and_arm(tmp_path, monkeypatch):
-    x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: " + ZEN3 + "\n\n" \
-          "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: " + ZEN3 + "\n"
+    x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC 7B13\n" \
+          "flags\t\t: " + ZEN3 + "\n\nprocessor\t: 1\ncpu family\t: 26\nmodel name\t: AMD EPYC 7B13\nflags\t\t: " + ZEN3 + "\n"
     arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: " + ARM + "\nCPU implementer\t: 0x41\n"
     intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: " \
             + INTEL_AMX + "\n"
-    for text, model, vendor, tier in ((x86, "AMD EPYC 7B13", "AuthenticAMD", AVX2), (arm, "unknown", "", PORTABLE),
-                                      (intel, "Intel(R) Xeon(R) Processor", "GenuineIntel", AVX512_BF16)):
+    for text, model, vendor, tier, family_model in (
+            (x86, "AMD EPYC 7B13", "AuthenticAMD", AVX2, (25, 1)),   # the first processor's numbers
+            (arm, "unknown", "", PORTABLE, None),
+            (intel, "Intel(R) Xeon(R) Processor", "GenuineIntel", AVX512_BF16, None)):   # no numbers listed
         path = tmp_path / "cpuinfo"
         path.write_text(text)
         monkeypatch.setattr(cpuinfo, "Path", lambda _p, path=path: path)
         got_model, got_vendor, flags = cpuinfo.read_cpuinfo()
-        cpu = CpuFeatures("m", got_model, flags, got_vendor)
+        cpu = CpuFeatures("m", got_model, flags, got_vendor, cpuinfo.read_family_model())
         assert (got_model, got_vendor) == (model, vendor) and cpu.tiers[0] is tier
-        assert cpu.is_amd == (vendor == "AuthenticAMD")
+        assert cpu.is_amd == (vendor == "AuthenticAMD") and cpu.family_model == family_model
+        assert cpu.amd_zen == (3 if family_model else None)
 
 
 def test_cpuinfo_stops_after_the_first_processor(monkeypatch):

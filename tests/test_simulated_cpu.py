@@ -23,7 +23,7 @@ import simulated_cpu  # noqa: E402
 
 ZEN4_FLAGS = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 aes avx f16c avx2 bmi1 bmi2 avx512f avx512dq avx512cd "
               "avx512bw avx512vl avx512ifma avx512vbmi avx512_vnni avx512_bf16 avx512_bitalg gfni vaes")
-ZEN4 = "".join(f"processor\t: {i}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel name\t: AMD EPYC 9R14\n"
+ZEN4 = "".join(f"processor\t: {i}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC 9R14\n"
                f"flags\t\t: {ZEN4_FLAGS}\nbogomips\t: 5200.00\n\n" for i in range(2))
 ZEN3 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
         "flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 vaes\n\n")
@@ -44,13 +44,15 @@ def test_cpuinfo_is_rewritten_as_the_kind(kind, tmp_path, monkeypatch):
     text = simulated_cpu.rewrite_cpuinfo(ZEN4, spec)
     model, vendor, flags = _parsed(text, tmp_path, monkeypatch)
     assert (model, vendor) == (spec.model, spec.vendor)
+    assert cpuinfo.read_family_model() == spec.family_model   # AMD's decide the Zen generation
     assert CpuFeatures("x86_64", model, flags, vendor).tiers[0].name == WANT[kind][0]
     assert {"avx512_bf16", "avx512ifma", "avx512vbmi", "avx512_bitalg"}.isdisjoint(flags - spec.simd)
     assert {"aes", "bmi2", "gfni", "sse4_2"} <= flags          # the non-SIMD-tier flags stay this CPU's
     # every processor block rewritten, every other line kept
     assert text.count(spec.model) == 2 and "AMD EPYC 9R14" not in text
-    assert [ln for ln in text.splitlines() if not ln.startswith(("flags", "vendor_id", "model name"))] == \
-        [ln for ln in ZEN4.splitlines() if not ln.startswith(("flags", "vendor_id", "model name"))]
+    rewritten = ("flags", "vendor_id", "model", "cpu family")   # "model" covers "model name"
+    assert [ln for ln in text.splitlines() if not ln.startswith(rewritten)] == \
+        [ln for ln in ZEN4.splitlines() if not ln.startswith(rewritten)]
 
 
 def test_a_kind_this_cpu_cannot_run_is_refused():
@@ -66,11 +68,12 @@ def test_a_command_under_the_tool_sees_the_kind(kind, monkeypatch):
     # a forced tier in the caller's environment must not leak in
     monkeypatch.setenv("VBATCH_CPU_TIER", "portable")
     probe = ("from vbatch.kernels import cpu_features; import torch; "
-             "print(cpu_features.selected_tier().name, torch.backends.cpu.get_cpu_capability())")
+             "print(cpu_features.selected_tier().name, torch.backends.cpu.get_cpu_capability(), "
+             "*cpu_features.detect().family_model)")
     done = subprocess.run([sys.executable, str(REPO / "tools" / "simulated_cpu.py"), kind, "--",
                            sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     if done.returncode == 2 and "cannot simulate" in done.stderr:
         # not Linux, no unshare or mount namespace, or a CPU without the kind's flags
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == list(WANT[kind])
+    assert done.stdout.split() == [*WANT[kind], *map(str, simulated_cpu.KINDS[kind].family_model)]

@@ -7,7 +7,8 @@ Xeon, from a Zen 4 (Linux; root, or unprivileged user namespaces).
 KIND: zen3 (AVX2 + FMA + F16C), cascade-lake (AVX-512 without avx512_bf16, Intel), cooper-lake
 (AVX-512 with avx512_bf16, Intel, no AMX). What it does:
 - /proc/cpuinfo, in a private mount namespace (`unshare -m` and a bind mount), becomes this
-  machine's own with every processor's vendor, model name and flags swapped for KIND's. vbatch
+  machine's own with every processor's vendor, model name, family and model numbers and flags
+  swapped for KIND's. vbatch
   reads the CPU from there alone (kernels/cpuinfo.py), so it picks KIND's tier, builds and tests
   KIND's kernels, and takes KIND's choices (vendor: zentorch, the weight-stream prefetch, the Q8_0
   GEMM). The parser tests then read that file too: nothing in vbatch is patched.
@@ -41,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 class CpuKind:
     vendor: str
     model: str
+    family_model: tuple[int, int]   # x86 `cpu family` and `model` (AMD's decide the Zen generation)
     simd: frozenset[str]       # the SIMD flags KIND has (each must be this CPU's too)
     holds: dict[str, str]      # torch / oneDNN / MKL held to KIND's instruction set
 
@@ -55,12 +57,13 @@ class CpuKind:
 _AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
 _SKYLAKE_SP = _AVX2 | {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl"}
 KINDS = {
-    "zen3": CpuKind("AuthenticAMD", "AMD EPYC 7763 64-Core Processor", _AVX2,
+    "zen3": CpuKind("AuthenticAMD", "AMD EPYC 7763 64-Core Processor", (25, 1), _AVX2,
                     {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
-    "cascade-lake": CpuKind("GenuineIntel", "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz", _SKYLAKE_SP | {"avx512_vnni"},
+    "cascade-lake": CpuKind("GenuineIntel", "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz", (6, 85),
+                            _SKYLAKE_SP | {"avx512_vnni"},
                             {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
                              "MKL_ENABLE_INSTRUCTIONS": "AVX512"}),
-    "cooper-lake": CpuKind("GenuineIntel", "Intel(R) Xeon(R) Platinum 8380H CPU @ 2.90GHz",
+    "cooper-lake": CpuKind("GenuineIntel", "Intel(R) Xeon(R) Platinum 8380H CPU @ 2.90GHz", (6, 85),
                            _SKYLAKE_SP | {"avx512_vnni", "avx512_bf16"},
                            {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
                             "MKL_ENABLE_INSTRUCTIONS": "AVX512"}),
@@ -77,8 +80,8 @@ def _key_value(line: str) -> tuple[str, str]:
 
 
 def rewrite_cpuinfo(text: str, kind: CpuKind) -> str:
-    """/proc/cpuinfo's `text` with each processor's vendor_id, model name and flags made KIND's;
-    every other line as it was. CannotSimulate when this CPU lacks one of KIND's SIMD flags."""
+    """/proc/cpuinfo's `text` with each processor's vendor_id, model name, cpu family, model and flags
+    made KIND's; every other line as it was. CannotSimulate when this CPU lacks one of KIND's SIMD flags."""
     out = []
     for line in text.splitlines(keepends=True):
         key, value = _key_value(line)
@@ -93,6 +96,8 @@ def rewrite_cpuinfo(text: str, kind: CpuKind) -> str:
             line = line.partition(":")[0] + ": " + kind.vendor + "\n"
         elif key == "model name":
             line = line.partition(":")[0] + ": " + kind.model + "\n"
+        elif key in ("cpu family", "model"):
+            line = line.partition(":")[0] + ": " + str(kind.family_model[key == "model"]) + "\n"
         out.append(line)
     return "".join(out)
 
