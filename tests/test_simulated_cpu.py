@@ -1,7 +1,7 @@
 """tools/simulated_cpu.py: /proc/cpuinfo rewritten as another CPU kind's, and a command run under it.
 
 Oracles: hand-written /proc/cpuinfo excerpts (a Zen 4 of two processors, a Zen 3), the tiers each
-kind's real CPU selects (Zen 3: avx2; Cascade Lake: avx512; Cooper Lake: avx512-bf16, as
+kind's real CPU selects (Zen 3: avx2; Zen 4, Cooper Lake: avx512-bf16; Cascade Lake: avx512, as
 test_cpu_features.py's flag sets), and, end to end, what a child process under the tool sees:
 vbatch's parser on the bind-mounted file and torch's own CPU capability.
 """
@@ -22,13 +22,15 @@ sys.path.insert(0, str(REPO / "tools"))
 import simulated_cpu  # noqa: E402
 
 ZEN4_FLAGS = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 aes avx f16c avx2 bmi1 bmi2 avx512f avx512dq avx512cd "
-              "avx512bw avx512vl avx512ifma avx512vbmi avx512_vnni avx512_bf16 avx512_bitalg gfni vaes")
+              "avx512bw avx512vl avx512ifma avx512vbmi avx512_vbmi2 avx512_vnni avx512_bf16 avx512_bitalg "
+              "avx512_vpopcntdq gfni vaes")
 ZEN4 = "".join(f"processor\t: {i}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC 9R14\n"
                f"flags\t\t: {ZEN4_FLAGS}\nbogomips\t: 5200.00\n\n" for i in range(2))
 ZEN3 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
         "flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 vaes\n\n")
 # each kind's tier on its real CPU, and torch's capability under its hold
-WANT = {"zen3": ("avx2", "AVX2"), "cascade-lake": ("avx512", "AVX512"), "cooper-lake": ("avx512-bf16", "AVX512")}
+WANT = {"zen3": ("avx2", "AVX2"), "zen4": ("avx512-bf16", "AVX512"), "cascade-lake": ("avx512", "AVX512"),
+        "cooper-lake": ("avx512-bf16", "AVX512")}
 
 
 def _parsed(text: str, tmp_path, monkeypatch) -> tuple[str, str, frozenset[str]]:

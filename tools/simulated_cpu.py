@@ -4,8 +4,9 @@ Xeon, from a Zen 4 (Linux; root, or unprivileged user namespaces).
     python tools/simulated_cpu.py KIND                  # ./.ci/run in a fresh clone of HEAD
     python tools/simulated_cpu.py KIND -- CMD [ARG ...]  # CMD here, in this checkout
 
-KIND: zen3 (AVX2 + FMA + F16C), cascade-lake (AVX-512 without avx512_bf16, Intel), cooper-lake
-(AVX-512 with avx512_bf16, Intel, no AMX). What it does:
+KIND: zen3 (AVX2 + FMA + F16C), zen4 (AVX-512 with avx512_bf16 in two 256-bit halves, no AVX-VNNI:
+from a Zen 5), cascade-lake (AVX-512 without avx512_bf16, Intel), cooper-lake (AVX-512 with
+avx512_bf16, Intel, no AMX). What it does:
 - /proc/cpuinfo, in a private mount namespace (`unshare -m` and a bind mount), becomes this
   machine's own with every processor's vendor, model name, family and model numbers and flags
   swapped for KIND's. vbatch
@@ -15,7 +16,8 @@ KIND: zen3 (AVX2 + FMA + F16C), cascade-lake (AVX-512 without avx512_bf16, Intel
 - torch, oneDNN and MKL ask the CPU itself (cpuid), so they are held to KIND's instruction set with
   their own variables (CpuKind.holds), as bench/peers.py's stand-ins are.
 - The C compiler's -march=native still sees this CPU, so KIND's SIMD flags must be a subset of this
-  CPU's (checked: the code built for KIND must run here). A Zen 4 can stand in for all three kinds.
+  CPU's (checked: the code built for KIND must run here). A Zen 4 can stand in for Zen 3 and the
+  Intel kinds, a Zen 5 for all four.
 Exits with the command's status; 2 when KIND cannot be simulated here (the reason on stderr).
 
 NOTE: why. The suite must pass on every CPU kind CI or a user may have, and each session draws one
@@ -59,6 +61,13 @@ _SKYLAKE_SP = _AVX2 | {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl"
 KINDS = {
     "zen3": CpuKind("AuthenticAMD", "AMD EPYC 7763 64-Core Processor", (25, 1), _AVX2,
                     {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
+    # Zen 4 from a Zen 5: the same AVX-512 subsets less avx512_vp2intersect, and no AVX-VNNI (the
+    # Q8_0 GEMM's choice follows it: kernels/cpu_q8_0_linear.py)
+    "zen4": CpuKind("AuthenticAMD", "AMD EPYC 9654 96-Core Processor", (25, 17),
+                    _SKYLAKE_SP | {"avx512ifma", "avx512vbmi", "avx512_vbmi2", "avx512_vnni", "avx512_bitalg",
+                                   "avx512_vpopcntdq", "avx512_bf16"},
+                    {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                     "MKL_ENABLE_INSTRUCTIONS": "AVX512"}),
     "cascade-lake": CpuKind("GenuineIntel", "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz", (6, 85),
                             _SKYLAKE_SP | {"avx512_vnni"},
                             {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
