@@ -97,11 +97,10 @@ def machine_facts(repo: Path) -> dict[str, str]:
     flags = lscpu.get("Flags", "").split()
     commit = _sh(["git", "rev-parse", "--short", "HEAD"], repo)
     dirty = _sh(["git", "status", "--porcelain", "--untracked-files=no"], repo)
-    family = "?"
-    if "CPU family" in lscpu and "Model" in lscpu:   # x86: AMD's generation follows from them
-        from vbatch.kernels import cpu_features      # here: the formatting above needs no torch
-        zen = cpu_features.detect().amd_zen
-        family = f"{lscpu['CPU family']}, model {lscpu['Model']}" + (f" (AMD Zen {zen})" if zen else "")
+    from vbatch.kernels import cpu_features   # here: the formatting above needs no torch
+    cpu = cpu_features.detect()
+    family = "?" if cpu.family_model is None else (
+        "{}, model {}".format(*cpu.family_model) + (f" (AMD Zen {cpu.amd_zen})" if cpu.amd_zen else ""))
     return {"cpu": lscpu.get("Model name", platform.processor()), "cpu family": family,
             "cpus": lscpu.get("CPU(s)", "?"),
             "threads per core": lscpu.get("Thread(s) per core", "?"),

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.errors import ConfigError
-from .cpuinfo import BF16_TIER_NAME, TIER_ENV, read_cpuinfo, read_family_model
+from .cpuinfo import BF16_TIER_NAME, TIER_ENV, read_cpu
 
 
 @dataclass(frozen=True)
@@ -173,9 +173,9 @@ class CpuFeatures:
 
 @functools.cache
 def detect() -> CpuFeatures:
-    model, vendor, flags = read_cpuinfo()
+    model, vendor, flags, family_model = read_cpu()
     return CpuFeatures(machine=platform.machine(), model_name=model, flags=flags, vendor=vendor,
-                       family_model=read_family_model())
+                       family_model=family_model)
 
 
 def tier_named(name: str, features: CpuFeatures | None = None) -> CpuTier:

@@ -1,7 +1,8 @@
 """This CPU as /proc/cpuinfo describes it, without torch (kernels/openmp_env.py reads it before torch loads).
 
     read_cpuinfo() -> (model name, vendor_id, flags)   of the first processor listed
-    read_family_model() -> (cpu family, model) | None  its x86 family and model numbers (None elsewhere)
+    read_cpu() -> (model name, vendor_id, flags, (cpu family, model) | None)   the same, with its x86
+                                                       family and model numbers (None elsewhere), one read
     TIER_ENV                                           the variable that forces a native-kernel tier
     BF16_TIER_NAME                                     the tier that computes in bf16 (kernels/cpu_features.py)
 
@@ -51,17 +52,17 @@ def _flags(block: dict[str, str]) -> frozenset[str]:
 
 def read_cpuinfo() -> tuple[str, str, frozenset[str]]:
     """(model name, vendor_id, flags) of the first processor in /proc/cpuinfo."""
+    return read_cpu()[:3]
+
+
+def read_cpu() -> tuple[str, str, frozenset[str], tuple[int, int] | None]:
+    """read_cpuinfo's three, and (cpu family, model) as x86 numbers them (AMD Zen 4: 25 and 0x10-0x1f,
+    0x60-0x7f or 0xa0-0xaf; Zen 5: 26), None where the first processor has no such numbers (ARM)."""
     block = _first_processor()
     if block is None:
-        return platform.processor() or "unknown", "", frozenset()
-    return _model(block), block.get("vendor_id", ""), _flags(block)
-
-
-def read_family_model() -> tuple[int, int] | None:
-    """(cpu family, model) of the first processor, as x86 numbers them (AMD Zen 4: 25 and 0x10-0x1f,
-    0x60-0x7f or 0xa0-0xaf; Zen 5: 26); None where /proc/cpuinfo has no such numbers (ARM)."""
-    block = _first_processor() or {}
+        return platform.processor() or "unknown", "", frozenset(), None
     try:
-        return int(block["cpu family"]), int(block["model"])
+        family_model = int(block["cpu family"]), int(block["model"])
     except (KeyError, ValueError):
-        return None
+        family_model = None
+    return _model(block), block.get("vendor_id", ""), _flags(block), family_model

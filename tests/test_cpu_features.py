@@ -104,8 +104,9 @@ def test_cpuinfo_is_parsed_for_x86_and_arm(tmp_path, monkeypatch):
         path = tmp_path / "cpuinfo"
         path.write_text(text)
         monkeypatch.setattr(cpuinfo, "Path", lambda _p, path=path: path)
-        got_model, got_vendor, flags = cpuinfo.read_cpuinfo()
-        cpu = CpuFeatures("m", got_model, flags, got_vendor, cpuinfo.read_family_model())
+        got_model, got_vendor, flags, got_family_model = cpuinfo.read_cpu()
+        assert cpuinfo.read_cpuinfo() == (got_model, got_vendor, flags)
+        cpu = CpuFeatures("m", got_model, flags, got_vendor, got_family_model)
         assert (got_model, got_vendor) == (model, vendor) and cpu.tiers[0] is tier
         assert cpu.is_amd == (vendor == "AuthenticAMD") and cpu.family_model == family_model
         assert cpu.amd_zen == (3 if family_model else None)
