@@ -3,7 +3,7 @@
     python bench/decode_attention.py [--batch 256] [--positions 384] [--layers 30] [--threads 2]
                                      [--order random|in-order] [--dtype bfloat16] [--kv-dtype ...]
                                      [--calls 20] [--repeats 5] [--tier avx2]
-                                     [--query-rows 1] [--against OTHER/libvbatch_cpu.so]
+                                     [--query-rows 1] [--against OTHER_BUILD]
 
 Builds a KV cache per layer with SmolLM2-135M's attention shapes (9 query heads, 3 kv heads of 64
 dims, blocks of 16), gives each of --batch requests --positions positions in blocks placed at
@@ -15,11 +15,11 @@ the cache bytes read per second, and nanoseconds per (position, kv head) for one
   Memory-bound (the engine's case): the defaults (30 layers: 2.3 GB of bf16 cache).
   Arithmetic-bound: --batch 4 --positions 256 --layers 1 --threads 1 --calls 1000 (in L2).
   Prefill: --query-rows 256 (each request's last 256 positions are query rows: the tiled path).
---against LIB times another build of the same entry point in the same process, alternating rounds
+--against BUILD times another build of the same entry point in the same process, alternating rounds
 (--repeats of them), and prints each's median and the median of the per-round time ratios: the way
 to compare two commits' kernels on a noisy machine, where two processes minutes apart differ by
-more than the change. LIB: the other commit's library, $VBATCH_CACHE/kernels/<key>/libvbatch_cpu.so
-(built by running anything of that checkout once); its entry point must take this commit's
+more than the change. BUILD: the other commit's build folder, $VBATCH_CACHE/kernels/<key>/ (built
+by running anything of that checkout once), or its library; its entry point must take this commit's
 arguments (388b602's bf16 one does: docs/benchmarks.md "Zen 4 after the AVX2 work").
 docs/performance/intel-xeon.md ("Decode attention in chunks: tried, not kept") records what it measured. Run it in its own
 high-priority session on a shared machine (REFERENCE 8):
@@ -31,6 +31,7 @@ import argparse
 import ctypes
 import statistics
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tier", default=None, help="a lower native tier this CPU runs (default: its best)")
     ap.add_argument("--query-rows", type=int, default=1, help="query rows per request (1: decode; more: prefill)")
-    ap.add_argument("--against", default=None, help="another build's libvbatch_cpu.so, timed alternately")
+    ap.add_argument("--against", default=None, help="another build (its folder under $VBATCH_CACHE/kernels, or a library), timed alternately")
     args = ap.parse_args()
 
     import torch
@@ -76,10 +77,11 @@ def main() -> None:
     query = torch.randn(args.batch * rows, q_heads, head_dim, generator=generator).to(dtype)
     starts = torch.arange(args.batch + 1, dtype=torch.int32) * rows
     lens = torch.full((args.batch,), args.positions, dtype=torch.int32)
-    name = f"vb_paged_attention_{native_build.entry_suffix(dtype, kv_dtype)}"
-    builds = {"this build": getattr(native.library, name)}
+    variant = native_build.entry_suffix(dtype, kv_dtype)
+    name = f"vb_paged_attention_{variant}"
+    builds = {"this build": native.function("vb_paged_attention", dtype, kv_dtype)}
     if args.against:
-        other = getattr(ctypes.CDLL(args.against), name, None)
+        other = getattr(ctypes.CDLL(str(native_build.library_path(Path(args.against), variant))), name, None)
         if other is None:
             raise SystemExit(f"{args.against} has no {name}")
         other.restype, other.argtypes = builds["this build"].restype, builds["this build"].argtypes

@@ -1,14 +1,14 @@
 """vbatch's own GEMMs (cpu_gemm.c, cpu_gemm_q8.c) of this build against another build's, in one process.
 
-    python bench/gemm_builds.py --against OTHER/libvbatch_cpu.so [--kernel fp16|fp32|q8_0]
+    python bench/gemm_builds.py --against OTHER_BUILD [--kernel fp16|fp32|q8_0]
                                 [--rows 16,64,256,2048] [--layers 30] [--rounds 9] [--threads 2] [--tier avx2]
     python bench/gemm_builds.py --kernel gated|gated-q8_0 [--rows ...]
 
 Multiplies --layers layers' worth of SmolLM2-135M's four linear shapes ([960, 576] qkv, [576, 576]
 o_proj, [3072, 576] gate/up, [576, 1536] down; random weights, each layer its own, so the weights
 stream from memory as in a model step) by the same activations, through the entry point of
---kernel in this build and in --against's (another commit's $VBATCH_CACHE/kernels/<key>/
-libvbatch_cpu.so, built by running anything of that checkout once; it must take this build's
+--kernel in this build and in --against's (another commit's build folder, $VBATCH_CACHE/kernels/<key>/,
+built by running anything of that checkout once, or its library; it must take this build's
 arguments), rounds alternating, and prints per row count each build's GFLOP/s (median round), the
 median of the per-round time ratios and whether the outputs are identical. Without --against it
 times this build alone. --kernel gated races this build's gated GEMM (silu(gate) * up in its
@@ -26,6 +26,7 @@ import argparse
 import ctypes
 import statistics
 import time
+from pathlib import Path
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [out, in] of one SmolLM2 layer
 ENTRY = {"fp16": "vb_gemm_f16_f32", "fp32": "vb_gemm_f32", "q8_0": "vb_gemm_q8_f32"}
@@ -37,7 +38,7 @@ GATED = {"gated": (("vb_gemm_f16_f32", ()), ("vb_gemm_gated_f16_f32", (1,))),
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=(*ENTRY, *GATED), default="fp16")
-    ap.add_argument("--against", default=None, help="another build's libvbatch_cpu.so, timed alternately")
+    ap.add_argument("--against", default=None, help="another build (its folder under $VBATCH_CACHE/kernels, or a library), timed alternately")
     ap.add_argument("--rows", default="16,64,256,2048")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=9)
@@ -48,6 +49,7 @@ def main() -> None:
     import torch
 
     from vbatch.kernels import cpu_features, cpu_native, cpu_q8_0_linear, gemm_libraries, q8_0
+    from vbatch.kernels.native_build import BASE_VARIANT, library_path
 
     tier = cpu_features.tier_named(args.tier) if args.tier else cpu_features.selected_tier()
     native = cpu_native.load(tier)
@@ -77,8 +79,8 @@ def main() -> None:
 
     if gated_kernel:
         (plain_name, plain_extra), (gated_name, gated_extra) = GATED[args.kernel]
-        plain = bind(native.library, plain_name, len(plain_extra))
-        gated = bind(native.library, gated_name, len(gated_extra))
+        plain = bind(native.library(BASE_VARIANT), plain_name, len(plain_extra))
+        gated = bind(native.library(BASE_VARIANT), gated_name, len(gated_extra))
         n, k = shapes[0]
         fp16 = args.kernel == "gated"   # fp16: [plain panels, gated pairs] stacked; Q8_0: one merged packing
 
@@ -101,9 +103,9 @@ def main() -> None:
         builds = {"gated GEMM": one_gemm, "GEMM + op": gemm_then_op}
         out_width = [n // 2]
     else:
-        libraries = {"this build": native.library}
+        libraries = {"this build": native.library(BASE_VARIANT)}
         if args.against:
-            libraries["--against"] = ctypes.CDLL(args.against)
+            libraries["--against"] = ctypes.CDLL(str(library_path(Path(args.against), BASE_VARIANT)))
         extra = 1 if args.kernel == "q8_0" else 0
         fns = {label: bind(lib, ENTRY[args.kernel], extra) for label, lib in libraries.items()}
 

@@ -95,13 +95,25 @@ def shape_args(args: tuple[str, ...], tier_name: str) -> list[str]:
     return [a.replace("{half}", half).replace("{act}", act).replace("{kv}", kv) for a in args]
 
 
-def build_with(tier_name: str, flags: tuple[str, ...]) -> Path:
-    """This tree's library for the tier with `flags` added to the compile (and the cache key)."""
+def race_variant(args: list[str]) -> str:
+    """The native kernel variant a race's resolved arguments call (--dtype over --kv-dtype)."""
+    import torch
+
+    from vbatch.kernels import native_build
+
+    def dtype_after(flag: str) -> torch.dtype | None:
+        return getattr(torch, args[args.index(flag) + 1]) if flag in args else None
+    return native_build.entry_suffix(dtype_after("--dtype"), dtype_after("--kv-dtype"))
+
+
+def build_with(tier_name: str, flags: tuple[str, ...], variant: str) -> Path:
+    """This tree's build folder for the tier with `flags` added to the compile (and the cache key),
+    `variant`'s library built in it."""
     from vbatch.kernels import cpu_features, native_build
     before = os.environ.get("VBATCH_NATIVE_CFLAGS")
     os.environ["VBATCH_NATIVE_CFLAGS"] = " ".join([*(before or "").split(), *flags])
     try:
-        return native_build.build(cpu_features.tier_named(tier_name))[0]
+        return native_build.build(cpu_features.tier_named(tier_name), (variant,))[0]
     finally:
         if before is None:
             del os.environ["VBATCH_NATIVE_CFLAGS"]
@@ -124,8 +136,8 @@ def verdict(script: str, stdout: str, library: Path) -> tuple[float, str]:
 
 def race(knob: Knob, tier: str, value: str, quick: bool, threads: int) -> tuple[float, str, str]:
     """One alternative against the kept build: (speed ratio, outputs' difference, the race's command)."""
-    library = build_with(tier, (f"-D{knob.name}={value}",))
     args = shape_args(knob.args, tier)
+    library = build_with(tier, (f"-D{knob.name}={value}",), race_variant(args))
     rounds = knob.quick if quick else (SMALL_ROWS if knob.script == "small_rows.py" else ATTENTION)
     command = [sys.executable, str(BENCH / knob.script), *args, *rounds, "--tier", tier, "--threads", str(threads),
                "--against", str(library)]

@@ -10,7 +10,7 @@ weight comes from memory, and from one huge-page arena, as in the engine (where 
 pages; `--plain-pages`: 4 KiB pages, as before session 34), and prints the weight bytes read per
 second (best and median of the passes). Compare it with the read ceiling (`python bench/ceilings.py`, the native read
 probe at 1-8 streams per thread): docs/performance/ records what it measured per CPU kind.
---against LIB [LIB ...] races other builds of the kernel (their libvbatch_cpu.so, e.g. this tree built
+--against LIB [LIB ...] races other builds of the kernel (their folders or libraries, e.g. this tree built
 with VBATCH_NATIVE_CFLAGS="-DVB_F32_PREFETCH_FEW=0") against this one in the same process: --rounds
 rounds, each a pass of every build (best of two, the order rotating) and the native read probe at 4
 and 8 streams a thread over a 512 MiB huge-page buffer; it prints the medians and, per build, the
@@ -25,6 +25,7 @@ import argparse
 import ctypes
 import statistics
 import time
+from pathlib import Path
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [out, in] of one SmolLM2 layer's linears
 HEAD = (49152, 576)
@@ -42,7 +43,8 @@ def main() -> None:
     ap.add_argument("--plain-pages", action="store_true",
                     help="leave the weights on 4 KiB pages (the engine puts them in one huge-page arena)")
     ap.add_argument("--against", nargs="+", default=[], metavar="LIB",
-                    help="other builds' libvbatch_cpu.so, raced against this one with the read probe")
+                    help="other builds (a build's folder under $VBATCH_CACHE/kernels, or a library), raced "
+                         "against this one with the read probe")
     ap.add_argument("--rounds", type=int, default=60, help="rounds of the --against race")
     args = ap.parse_args()
 
@@ -100,13 +102,14 @@ def race(args, native, weights, xs, num_bytes, dtype, huge: bool) -> None:
     import torch
 
     from vbatch.kernels import cpu_huge_pages, cpu_native
-    from vbatch.kernels.native_build import entry_suffix
+    from vbatch.kernels.native_build import entry_suffix, library_path
 
-    name = f"vb_linear_small_{entry_suffix(dtype)}"
-    this = getattr(native.library, name)
+    variant = entry_suffix(dtype)
+    name = f"vb_linear_small_{variant}"
+    this = native.function("vb_linear_small", dtype)
     builds = {"this build": this}
     for path in args.against:
-        fn = getattr(ctypes.CDLL(path), name, None)
+        fn = getattr(ctypes.CDLL(str(library_path(Path(path), variant))), name, None)
         if fn is None:
             raise SystemExit(f"{path} has no {name}")
         fn.argtypes, fn.restype = this.argtypes, this.restype

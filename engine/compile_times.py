@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CompileTimes:
-    # finding or building the C kernels during this start-up (None: not used); they load once per
-    # process, so an engine started after they loaded reports 0.0 (`native_load`)
+    # finding or building the C kernels' variants during this start-up (None: not used); each loads
+    # once per process, so an engine started after its variants loaded reports 0.0 (`native_load`)
     native_kernels_s: float | None = None
     native_kernels_compiled: bool | None = None    # True: compiled in this start-up; False: nothing compiled
     torch_compile_s: float | None = None           # inductor warm-up of the torch CPU path (None: not used)
@@ -38,11 +38,11 @@ class CompileTimes:
 
 def native_load(native, started: float) -> dict[str, float | bool | None]:
     """CompileTimes' native fields for an engine whose start-up began at `started` (perf_counter())
-    and runs `native` (kernels/cpu_native.NativeKernels, or None): what loading them cost this
-    start-up. Kernels loaded earlier in the process (another engine, a test, a benchmark script)
+    and runs `native` (kernels/cpu_native.NativeKernels, or None): what loading its variants cost this
+    start-up. Variants loaded earlier in the process (by another engine, a test, a benchmark script)
     cost it nothing: their compile must not be reported inside this build."""
     if native is None:
         return {"native_kernels_s": None, "native_kernels_compiled": None}
-    if native.loaded_at < started:
-        return {"native_kernels_s": 0.0, "native_kernels_compiled": False}
-    return {"native_kernels_s": native.build_seconds, "native_kernels_compiled": native.compiled_now}
+    loads = native.loads_since(started)
+    return {"native_kernels_s": sum(load.seconds for load in loads),
+            "native_kernels_compiled": any(load.compiled for load in loads)}

@@ -1,13 +1,15 @@
 """Native CPU kernels: C sources in kernels/csrc, compiled once per machine and CPU tier, called through ctypes.
 
-    load(tier=None) -> NativeKernels | None   (None: no C compiler, a failed build, or VBATCH_CPU_NATIVE=0)
+    load(tier=None, variants=("f32",)) -> NativeKernels | None   (None: no C compiler, a failed build, or
+                                                                VBATCH_CPU_NATIVE=0)
+    NativeKernels.prepare(variants)             build and bind more variants now (the others: on first use)
     NativeKernels.<kernel>(...)                 raw bindings, fp32 or bf16 by the tensors' dtype
                                                 (the GEMMs' bindings: kernels/cpu_native_gemm.py)
 
 The ops built on them, with the references' signatures, are in kernels/cpu_native_ops.py.
 
 NOTE: why C and ctypes rather than a torch extension: the kernels need no torch headers (they take
-raw pointers), so a few `cc` calls build them in seconds instead of a minute, and the library links
+raw pointers), so `cc` builds the variants an engine needs in about ten seconds on two cores, and the library links
 the same OpenMP runtime torch already loaded (libgomp, by soname), so its threads are torch's
 threads. How the library is compiled and cached, and its variants: kernels/native_build.py.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,11 +29,11 @@ import torch
 
 from . import q8_0
 from .attention_metadata import AttentionMetadata
-from .cache_ref import FP8_KV_DTYPES
 from .cpu_features import CpuTier, selected_tier
 from .cpu_native_gemm import NativeGemms
 from .cpu_native_structs import VbDecode, VbStep
-from .native_build import KV_ENTRY_POINTS, VARIANTS, NativeKernelError, entry_suffix, build, has_variant
+from .native_build import (BASE_VARIANT, NativeKernelError, build, entry_points_of, entry_suffix, has_variant,
+                           library_path)
 
 logger = logging.getLogger("vbatch.kernels")
 
@@ -43,17 +47,64 @@ _ERRORS = {1: "unsupported shape (head_dim not a multiple of 16 or above 256, mo
 
 
 @dataclass(frozen=True)
-class NativeKernels(NativeGemms):
-    library: ctypes.CDLL
-    path: Path
-    tier: CpuTier
-    build_seconds: float   # finding or compiling the library (compiling: a few seconds)
-    compiled_now: bool     # False: an earlier build of the same sources, flags and compiler was reused
-    loaded_at: float = field(default_factory=time.perf_counter, compare=False)  # perf_counter() once loaded
-    _probes: dict = field(default_factory=dict, repr=False, compare=False)  # probe results (has_*), by key
+class NativeLoad:
+    """One load of native kernel variants: when it ended (perf_counter()), how long it took, and
+    whether it compiled (False: an earlier build of the same sources, flags and compiler was reused)."""
+    done_at: float
+    seconds: float
+    compiled: bool
 
-    def _fn(self, name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
-        return getattr(self.library, f"{name}_{entry_suffix(dtype, kv_dtype)}")
+
+@dataclass(frozen=True)
+class NativeKernels(NativeGemms):
+    folder: Path           # the tier's build folder (native_build.build): a library per variant
+    tier: CpuTier
+    compiler: str | None = None   # None: $CC, cc or gcc (native_build.build)
+    _libraries: dict = field(default_factory=dict, repr=False, compare=False)  # variant -> its bound ctypes.CDLL
+    _loads: list = field(default_factory=list, repr=False, compare=False)      # NativeLoad, in order
+    _probes: dict = field(default_factory=dict, repr=False, compare=False)  # probe results (has_*), by key
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)  # one build at a time
+
+    def prepare(self, variants: Sequence[str]) -> None:
+        """Build (or find) and bind the variants (native_build.VARIANTS' suffixes) not loaded yet, in one
+        pool of compiles. The engine asks for its own at start-up, so that no step compiles."""
+        with self._lock:
+            self._prepare([v for v in dict.fromkeys(variants) if v not in self._libraries])
+
+    def _prepare(self, missing: list[str]) -> None:
+        if not missing:
+            return
+        t0 = time.perf_counter()
+        folder, compiled = build(self.tier, missing, compiler=self.compiler, compiling=self._say_compiling)
+        for variant in missing:
+            self._libraries[variant] = _bind(library_path(folder, variant), variant)
+        done = time.perf_counter()
+        self._loads.append(NativeLoad(done, done - t0, any(compiled.values())))
+        if any(compiled.values()):
+            print(f"vbatch: compiled in {done - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def _say_compiling(self, folder: Path, variants: list[str]) -> None:
+        # the one wait of a first run on a machine that vbatch does not otherwise explain
+        print(f"vbatch: compiling the native CPU kernels for this machine ({self.tier.name} tier: "
+              f"{', '.join(variants)}), once; kept in {folder}", file=sys.stderr, flush=True)
+
+    def library(self, variant: str) -> ctypes.CDLL:
+        """`variant`'s library, built on first use."""
+        if variant not in self._libraries:
+            self.prepare([variant])
+        return self._libraries[variant]
+
+    def function(self, name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
+        """The entry point `name` for `dtype` activations over a `kv_dtype` KV cache (default: `dtype`),
+        its argument types set."""
+        variant = entry_suffix(dtype, kv_dtype)
+        return getattr(self.library(variant), f"{name}_{variant}")
+
+    _fn = function
+
+    def loads_since(self, started: float) -> list[NativeLoad]:
+        """The loads that ended at or after `started` (perf_counter())."""
+        return [load for load in self._loads if load.done_at >= started]
 
     def paged_attention(
         self,
@@ -245,7 +296,8 @@ class NativeKernels(NativeGemms):
                                            key.shape[0], key.shape[1] * key.shape[2])
 
 
-def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -> NativeKernels:
+def _bind(path: Path, variant: str) -> ctypes.CDLL:
+    """`variant`'s library at `path`, its entry points' argument and result types set."""
     lib = ctypes.CDLL(str(path))
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {  # name: (argtypes, restype)
@@ -270,29 +322,33 @@ def _bind(path: Path, tier: CpuTier, build_seconds: float, compiled_now: bool) -
         "vb_fma_width": ([], ctypes.c_int),
         "vb_vector_lanes": ([], ctypes.c_int),
     }
-    for name, (argtypes, restype) in signatures.items():
-        for (_, kv_dtype), (suffix, _) in VARIANTS.items():
-            if kv_dtype in FP8_KV_DTYPES and name not in KV_ENTRY_POINTS:
-                continue
-            fn = getattr(lib, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, restype
-    return NativeKernels(lib, path, tier, build_seconds, compiled_now)
+    names = entry_points_of(variant) or signatures
+    for name in names:
+        argtypes, restype = signatures[name]
+        fn = getattr(lib, f"{name}_{variant}")
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
 
 
 _loaded: dict[str, NativeKernels | None] = {}
 
 
-def load(tier: CpuTier | None = None) -> NativeKernels | None:
-    """The native kernels of `tier` (default: cpu_features.selected_tier()), built on first use;
-    None (logged once) when they cannot be had."""
+def load(tier: CpuTier | None = None, variants: Sequence[str] = (BASE_VARIANT,)) -> NativeKernels | None:
+    """The native kernels of `tier` (default: cpu_features.selected_tier()) with `variants` (suffixes of
+    native_build.VARIANTS; default the fp32 one, the probes' and GEMMs') built now, the others on first
+    use; None (logged once) when they cannot be had."""
     tier = tier or selected_tier()
     if tier.name not in _loaded:
         _loaded[tier.name] = None
         if os.environ.get("VBATCH_CPU_NATIVE", "1") != "0":
             try:
-                t0 = time.perf_counter()
-                path, compiled_now = build(tier)
-                _loaded[tier.name] = _bind(path, tier, time.perf_counter() - t0, compiled_now)
+                kernels = NativeKernels(build(tier, ())[0], tier)
+                kernels.prepare(variants)
+                _loaded[tier.name] = kernels
             except Exception as e:  # noqa: BLE001 - no compiler / failed build: the torch path runs instead
                 logger.warning("native CPU kernels (%s tier) unavailable (%s); using the torch path", tier.name, e)
-    return _loaded[tier.name]
+        return _loaded[tier.name]
+    kernels = _loaded[tier.name]
+    if kernels is not None:
+        kernels.prepare(variants)
+    return kernels

@@ -123,8 +123,11 @@ def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtyp
     quantized instead (kernels/q8_0.py; an fp32 model with the native kernels, else QuantizationError)."""
     from . import cpu_attention, cpu_features, cpu_linear, cpu_native, cpu_rotary, gemm_libraries, q8_0
     from .cpu_native_ops import NativeOps
+    from .native_build import variants_for
     tier = tier or cpu_features.selected_tier()
-    native = cpu_native.load(tier)
+    # the variants the model will call, built now (the engine's start-up) rather than in a step
+    kv_if_native = kv_cache_dtype or (tier.half_dtype if dtype == torch.float32 and prefer_half else dtype)
+    native = cpu_native.load(tier, variants_for(dtype, kv_if_native))
     if quantization is not None and (quantization != q8_0.NAME or dtype != torch.float32 or native is None
                                      or not native.has_small_linear(dtype, torch.int8)
                                      or not gemm_libraries.can_pack(dtype)):

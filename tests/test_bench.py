@@ -428,13 +428,15 @@ def test_compile_times_describe_each_kind():
 def test_native_compile_is_reported_only_by_the_start_up_that_did_it():
     # The kernels load once per process: an engine started after they loaded (after another engine,
     # a test, a benchmark script) compiled nothing, so its build must not claim their compile.
-    from types import SimpleNamespace
-
     from vbatch.engine.compile_times import CompileTimes, native_load
-    native = SimpleNamespace(build_seconds=13.0, compiled_now=True, loaded_at=100.0)
+    from vbatch.kernels.cpu_native import NativeKernels, NativeLoad
+    native = NativeKernels(None, None)
+    native._loads.extend([NativeLoad(done_at=100.0, seconds=13.0, compiled=True),      # the first engine's
+                          NativeLoad(done_at=130.0, seconds=0.25, compiled=False)])    # a variant found built
     assert native_load(None, 50.0) == {"native_kernels_s": None, "native_kernels_compiled": None}
-    assert native_load(native, 99.5) == {"native_kernels_s": 13.0, "native_kernels_compiled": True}  # loaded in it
-    later = native_load(native, 120.0)
+    assert native_load(native, 99.5) == {"native_kernels_s": 13.25, "native_kernels_compiled": True}  # loaded in it
+    assert native_load(native, 125.0) == {"native_kernels_s": 0.25, "native_kernels_compiled": False}
+    later = native_load(native, 140.0)
     assert later == {"native_kernels_s": 0.0, "native_kernels_compiled": False}
     assert CompileTimes(**later).describe() == "native C kernels 0.0 s (reused build)"
 

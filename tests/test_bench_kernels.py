@@ -64,18 +64,18 @@ def test_decode_attention_script_times_the_kernel(dtype, kv_dtype):
 
 
 def _race_against_this_build(script_name: str, *args: str):
-    """Run bench/<script_name> with `--against` this build's own library (so both builds compute
-    the same outputs); returns the finished process and the library's path."""
+    """Run bench/<script_name> with `--against` this build's own folder (so both builds compute
+    the same outputs); returns the finished process and the folder."""
 
     from vbatch.kernels import cpu_features, cpu_native
     native = cpu_native.load(cpu_features.selected_tier())
     if native is None:
         pytest.skip("no native kernels on this machine (no C compiler)")
     script = BENCH / script_name
-    done = subprocess.run([sys.executable, str(script), *args, "--against", str(native.path)],
+    done = subprocess.run([sys.executable, str(script), *args, "--against", str(native.folder)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    return done, native.path
+    return done, native.folder
 
 
 def test_decode_attention_script_races_another_build():
@@ -99,7 +99,7 @@ def test_gemm_builds_script_races_the_gemms(kernel):
     if native is None or not native.has_gemm:
         pytest.skip("this tier's native build has no GEMM (cpu_gemm.c needs AVX2 and FMA)")
     script = BENCH / "gemm_builds.py"
-    against = [] if kernel.startswith("gated") else ["--against", str(native.path)]
+    against = [] if kernel.startswith("gated") else ["--against", str(native.folder)]
     done = subprocess.run([sys.executable, str(script), "--kernel", kernel, "--rows", "5,70", "--layers", "2",
                            "--rounds", "2", "--threads", "1", *against], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

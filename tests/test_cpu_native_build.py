@@ -16,18 +16,40 @@ from vbatch.kernels import cpu_features, cpu_native, gemm_libraries, native_buil
 
 TIERS = NATIVE_TEST_TIERS
 
-def test_build_is_cached_per_tier_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
+def test_build_is_cached_per_tier_and_variant_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
     # One tier built into a fresh cache (every tier builds the same way; the others' libraries are the
-    # ones the tests above loaded): compiled once, then reused; each tier has its own flags and key.
+    # ones the tests above loaded): each variant compiled when first asked for, then reused; each tier
+    # has its own flags and key.
     tier = cpu_features.selected_tier()
     monkeypatch.setenv("VBATCH_CACHE", str(tmp_path))
-    first, compiled_now = native_build.build(tier)
-    assert compiled_now and first.is_file() and first.is_relative_to(tmp_path)
-    mtime = first.stat().st_mtime_ns
-    assert native_build.build(tier) == (first, False) and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    folder, compiled = native_build.build(tier)
+    assert compiled == {native_build.BASE_VARIANT: True} and folder.is_relative_to(tmp_path)
+    base = native_build.library_path(folder, native_build.BASE_VARIANT)
+    assert sorted(p.name for p in folder.iterdir()) == [base.name]   # that variant only, no scraps
+    mtime = base.stat().st_mtime_ns
+    assert native_build.build(tier) == (folder, {"f32": False}) and base.stat().st_mtime_ns == mtime  # reused
+    both = native_build.build(tier, ("f32", "f32_kve4m3"))
+    assert both == (folder, {"f32": False, "f32_kve4m3": True}) and base.stat().st_mtime_ns == mtime
     assert len({native_build.build_flags(t) for t in TIERS}) == len(TIERS)
     with pytest.raises(FileNotFoundError):
         native_build.build(tier, compiler=str(tmp_path / "no-such-cc"))
+    with pytest.raises(native_build.NativeKernelError, match="no native kernel variant f16"):
+        native_build.build(tier, ("f16",))
+
+
+def test_a_variant_over_another_cache_holds_the_cache_sources_only(native):
+    # fp32 activations over an fp16 cache: the attention, the KV write and the layers that call them;
+    # the GEMMs, the probes and the encoder attention are the f32 variant's alone.
+    kv_only = native.library("f32_kvf16")
+    assert native_build.variant_sources("f32_kvf16") == native_build.KV_SOURCES
+    assert native_build.variant_sources("bf16") == native_build.variant_sources("f32") == native_build.SOURCES
+    for name in native_build.KV_ENTRY_POINTS:
+        assert hasattr(kv_only, f"{name}_f32_kvf16"), name
+    for name in ("vb_gemm", "vb_fma_probe", "vb_read_probe", "vb_encoder_attention"):
+        assert not hasattr(kv_only, f"{name}_f32_kvf16") and hasattr(native.library("f32"), f"{name}_f32"), name
+    assert native_build.variants_for(torch.float32, torch.float16) == ("f32", "f32_kvf16")
+    assert native_build.variants_for(torch.bfloat16) == ("bf16",)
+    assert native_build.variants_for(torch.bfloat16, torch.float16) == ("bf16",)   # no such kernels: torch's
 
 
 def test_every_kernel_source_is_compiled_or_hashed_into_the_build_key():

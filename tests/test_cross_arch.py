@@ -53,8 +53,8 @@ VARIANT_IDS = [suffix for _, (suffix, _) in VARIANTS]
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
-    """(this machine's portable library, the aarch64 one, what the aarch64 compiles warned of)."""
-    host, _ = native_build.build(PORTABLE)
+    """(this machine's portable build folder, the aarch64 one, what the aarch64 compiles warned of)."""
+    host, _ = native_build.build(PORTABLE, native_build.ALL_VARIANTS)
     warnings: list[str] = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -63,10 +63,10 @@ def libraries(tmp_path_factory):
     try:
         with pytest.MonkeyPatch.context() as env:  # a scratch cache: always compiled, never the user's
             env.setenv("VBATCH_CACHE", str(tmp_path_factory.mktemp("aarch64-cache")))
-            arm, compiled_now = native_build.build(PORTABLE, compiler=CROSS_CC, cpu=ARM)
+            arm, compiled = native_build.build(PORTABLE, native_build.ALL_VARIANTS, compiler=CROSS_CC, cpu=ARM)
     finally:
         logger.removeHandler(handler), logger.setLevel(level)
-    assert compiled_now
+    assert all(compiled.values())
     return host, arm, warnings
 
 
@@ -95,11 +95,11 @@ def _exact(name: str) -> bool:
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_portable_kernels_on_aarch64_match_this_machines_portable_build(variant, libraries, tmp_path):
-    (activations, _), (_, defines) = variant
-    host_library, arm_library, arm_warnings = libraries
+    (activations, _), (suffix, defines) = variant
+    host_build, arm_build, arm_warnings = libraries
     assert not arm_warnings, "\n".join(arm_warnings)
-    host = _program("cc", host_library, defines, None, tmp_path / "x86_64")
-    arm = _program(CROSS_CC, arm_library, defines, ARM, tmp_path / "aarch64")
+    host = _program("cc", native_build.library_path(host_build, suffix), defines, None, tmp_path / "x86_64")
+    arm = _program(CROSS_CC, native_build.library_path(arm_build, suffix), defines, ARM, tmp_path / "aarch64")
     assert int.from_bytes(arm.read_bytes()[18:20], "little") == 183  # ELF e_machine: EM_AARCH64
 
     subprocess.run([str(host), str(tmp_path / "x86_64.bin")], check=True, timeout=120)

@@ -20,10 +20,10 @@
 
 #include "vb_kernels.h"
 
-#if defined(VB_KV_E4M3) || defined(VB_KV_E5M2)
-#define FP8_KV 1   /* the fp8-cache variants build only the KV sources (kernels/native_build.py KV_SOURCES) */
+#if defined(VB_KV_E4M3) || defined(VB_KV_E5M2) || defined(VB_KV_F16) || defined(VB_KV_BF16)
+#define KV_ONLY 1  /* a cache of another dtype than the activations: the KV sources only (native_build.py KV_SOURCES) */
 #else
-#define FP8_KV 0
+#define KV_ONLY 0
 #endif
 
 static FILE *out_file;
@@ -306,7 +306,7 @@ static void check_decoder_layer(int format) {
     free(proj), free(gate_up), free(act);
 }
 
-#if !FP8_KV
+#if !KV_ONLY
 static void check_sampler_and_encoder(void) {
     const int rows = 4, vocab = 1000;
     act_t *logits = acts(rows * vocab, 8.0f);
@@ -347,7 +347,7 @@ int main(int argc, char **argv) {
     check_decoder_layer(VB_WEIGHT_F16);
 #endif
     check_decoder_layer(VB_WEIGHT_BF16);
-#if !FP8_KV
+#if !KV_ONLY
     check_sampler_and_encoder();
 #endif
     return fclose(out_file) == 0 ? 0 : 1;
