@@ -70,20 +70,22 @@ class CpuTimes:
     """One reading, in clock ticks since boot, summed over the CPUs this process may use."""
     total: int       # every state (idle and iowait too)
     busy: int        # user + nice + system + irq + softirq (guest is inside user)
-    own: float       # this process's user + system time (all its threads), in the same ticks
+    own: float       # this process's user + system time (all its threads, and its children once waited
+                     # for), in the same ticks
     cpus: int        # how many CPUs the sums are over
 
 
 def read_cpu_times(cpus: frozenset[int], stat_text: str | None = None, own_seconds: float | None = None,
                    ticks_per_second: int | None = None) -> CpuTimes:
     """Sum /proc/stat's per-CPU lines over `cpus` (`stat_text`: the file's text, read when None) and
-    take this process's CPU time (`own_seconds`: os.times() when None). Raises OSError where there is no
+    take this process's CPU time, its waited-for children's included (`own_seconds`: os.times() when None).
+    Raises OSError where there is no
     /proc/stat, ValueError where it lists none of `cpus`."""
     text = Path("/proc/stat").read_text() if stat_text is None else stat_text
     hz = ticks_per_second or os.sysconf("SC_CLK_TCK")
-    if own_seconds is None:
+    if own_seconds is None:   # the children this process waited for (the kernels' compiles) are its own work
         t = os.times()
-        own_seconds = t.user + t.system
+        own_seconds = t.user + t.system + t.children_user + t.children_system
     total = busy = found = 0
     for line in text.splitlines():
         name, _, rest = line.partition(" ")

@@ -171,6 +171,19 @@ def test_a_busy_process_reads_as_one_core_and_our_own_loop_as_none():
     assert 0.75 <= others <= 1.45, others
 
 
+def test_a_child_this_process_waited_for_reads_as_its_own():
+    # The engine's start-up compiles the native kernels in child processes (cc) on every core, then
+    # takes its first reading: the compiles are its own work, not another process's load that the
+    # first steps should give a core up to (they did, until the next reading).
+    cpus = _two_cpus()
+    mask = frozenset(cpus[:2])
+    before = read_cpu_times(mask)
+    spinner = _spinner(cpus[1], 1.0)
+    spinner.wait()
+    others = others_busy(before, read_cpu_times(mask))
+    assert others < 0.5, others   # the child's second of one core counted as ours (a whole core if not)
+
+
 def test_engine_gives_a_busy_core_up_and_keeps_its_tokens(monkeypatch, smollm2_path):
     """A 2-thread engine beside a process spinning on one of its CPUs runs with one thread (the
     budget's own record), and greedy tokens stay those of a quiet run; the core comes back after."""
