@@ -81,7 +81,7 @@ def main() -> None:
     name = f"vb_paged_attention_{variant}"
     builds = {"this build": native.function("vb_paged_attention", dtype, kv_dtype)}
     if args.against:
-        other = getattr(ctypes.CDLL(str(native_build.library_path(Path(args.against), variant))), name, None)
+        other = getattr(ctypes.CDLL(str(native_build.built_library(Path(args.against), variant))), name, None)
         if other is None:
             raise SystemExit(f"{args.against} has no {name}")
         other.restype, other.argtypes = builds["this build"].restype, builds["this build"].argtypes

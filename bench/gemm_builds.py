@@ -49,7 +49,7 @@ def main() -> None:
     import torch
 
     from vbatch.kernels import cpu_features, cpu_native, cpu_q8_0_linear, gemm_libraries, q8_0
-    from vbatch.kernels.native_build import BASE_VARIANT, library_path
+    from vbatch.kernels.native_build import BASE_VARIANT, built_library
 
     tier = cpu_features.tier_named(args.tier) if args.tier else cpu_features.selected_tier()
     native = cpu_native.load(tier)
@@ -105,7 +105,7 @@ def main() -> None:
     else:
         libraries = {"this build": native.library(BASE_VARIANT)}
         if args.against:
-            libraries["--against"] = ctypes.CDLL(str(library_path(Path(args.against), BASE_VARIANT)))
+            libraries["--against"] = ctypes.CDLL(str(built_library(Path(args.against), BASE_VARIANT)))
         extra = 1 if args.kernel == "q8_0" else 0
         fns = {label: bind(lib, ENTRY[args.kernel], extra) for label, lib in libraries.items()}
 

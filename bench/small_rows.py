@@ -102,14 +102,14 @@ def race(args, native, weights, xs, num_bytes, dtype, huge: bool) -> None:
     import torch
 
     from vbatch.kernels import cpu_huge_pages, cpu_native
-    from vbatch.kernels.native_build import entry_suffix, library_path
+    from vbatch.kernels.native_build import built_library, entry_suffix
 
     variant = entry_suffix(dtype)
     name = f"vb_linear_small_{variant}"
     this = native.function("vb_linear_small", dtype)
     builds = {"this build": this}
     for path in args.against:
-        fn = getattr(ctypes.CDLL(str(library_path(Path(path), variant))), name, None)
+        fn = getattr(ctypes.CDLL(str(built_library(Path(path), variant))), name, None)
         if fn is None:
             raise SystemExit(f"{path} has no {name}")
         fn.argtypes, fn.restype = this.argtypes, this.restype

@@ -136,6 +136,16 @@ def library_path(build_or_library: Path, variant: str) -> Path:
     return old if not path.exists() and old.exists() else path
 
 
+def built_library(build_or_library: Path, variant: str) -> Path:
+    """library_path() of a build that must already hold `variant` (the benchmarks' --against):
+    FileNotFoundError, saying how to build it, when it does not."""
+    path = library_path(build_or_library, variant)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: build that checkout's {variant} variant first "
+                                f"(python -m vbatch.kernels.native_build {variant}, run in it)")
+    return path
+
+
 def build(tier: CpuTier, variants: Sequence[str] = (BASE_VARIANT,), compiler: str | None = None,
           cpu: CpuFeatures | None = None,
           compiling: Callable[[Path, list[str]], None] | None = None) -> tuple[Path, dict[str, bool]]:

@@ -52,6 +52,22 @@ def test_a_variant_over_another_cache_holds_the_cache_sources_only(native):
     assert native_build.variants_for(torch.bfloat16, torch.float16) == ("bf16",)   # no such kernels: torch's
 
 
+def test_library_path_takes_a_folder_an_older_builds_folder_or_a_library(tmp_path):
+    # the benchmarks' --against: this tree's folders hold a library per variant; a build from before
+    # session 39 holds one library with every variant; a library file is itself
+    split, single = tmp_path / "split", tmp_path / "single"
+    split.mkdir(), single.mkdir()
+    (split / "libvbatch_cpu_f32_kvf16.so").touch()
+    (single / "libvbatch_cpu.so").touch()
+    assert native_build.library_path(split, "f32_kvf16") == split / "libvbatch_cpu_f32_kvf16.so"
+    assert native_build.library_path(split, "bf16") == split / "libvbatch_cpu_bf16.so"   # not built: named anyway
+    assert native_build.library_path(single, "bf16") == single / "libvbatch_cpu.so"
+    assert native_build.library_path(single / "libvbatch_cpu.so", "f32") == single / "libvbatch_cpu.so"
+    assert native_build.built_library(single, "bf16") == single / "libvbatch_cpu.so"
+    with pytest.raises(FileNotFoundError, match=r"libvbatch_cpu_bf16.so does not exist: .*native_build bf16"):
+        native_build.built_library(split, "bf16")
+
+
 def test_every_kernel_source_is_compiled_or_hashed_into_the_build_key():
     """A file of kernels/csrc that neither SOURCES nor HEADERS names would be edited without the
     cached library being rebuilt (the key hashes only those)."""
