@@ -57,10 +57,9 @@ class NativeLoad:
 
 @dataclass(frozen=True)
 class NativeKernels(NativeGemms):
-    folder: Path           # the tier's build folder (native_build.build): a library per variant
     tier: CpuTier
     compiler: str | None = None   # None: $CC, cc or gcc (native_build.build)
-    _libraries: dict = field(default_factory=dict, repr=False, compare=False)  # variant -> its bound ctypes.CDLL
+    _libraries: dict = field(default_factory=dict, repr=False, compare=False)  # variant -> (its folder, bound ctypes.CDLL)
     _loads: list = field(default_factory=list, repr=False, compare=False)      # NativeLoad, in order
     _probes: dict = field(default_factory=dict, repr=False, compare=False)  # probe results (has_*), by key
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)  # one build at a time
@@ -77,7 +76,7 @@ class NativeKernels(NativeGemms):
         t0 = time.perf_counter()
         folder, compiled = build(self.tier, missing, compiler=self.compiler, compiling=self._say_compiling)
         for variant in missing:
-            self._libraries[variant] = _bind(library_path(folder, variant), variant)
+            self._libraries[variant] = folder, _bind(library_path(folder, variant), variant)
         done = time.perf_counter()
         self._loads.append(NativeLoad(done, done - t0, any(compiled.values())))
         if any(compiled.values()):
@@ -88,19 +87,22 @@ class NativeKernels(NativeGemms):
         print(f"vbatch: compiling the native CPU kernels for this machine ({self.tier.name} tier: "
               f"{', '.join(variants)}), once; kept in {folder}", file=sys.stderr, flush=True)
 
+    @property
+    def folder(self) -> Path:
+        """The build folder of the tier's libraries (native_build.build; a benchmark's --against takes it)."""
+        return next(iter(self._libraries.values()))[0]
+
     def library(self, variant: str) -> ctypes.CDLL:
         """`variant`'s library, built on first use."""
         if variant not in self._libraries:
             self.prepare([variant])
-        return self._libraries[variant]
+        return self._libraries[variant][1]
 
     def function(self, name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
         """The entry point `name` for `dtype` activations over a `kv_dtype` KV cache (default: `dtype`),
         its argument types set."""
         variant = entry_suffix(dtype, kv_dtype)
         return getattr(self.library(variant), f"{name}_{variant}")
-
-    _fn = function
 
     def loads_since(self, started: float) -> list[NativeLoad]:
         """The loads that ended at or after `started` (perf_counter())."""
@@ -124,7 +126,7 @@ class NativeKernels(NativeGemms):
         assert key_cache.is_contiguous() and value_cache.is_contiguous()
         assert key_cache.dtype == value_cache.dtype
         _, block_size, num_kv_heads, head_dim = key_cache.shape
-        rc = self._fn("vb_paged_attention", query.dtype, key_cache.dtype)(
+        rc = self.function("vb_paged_attention", query.dtype, key_cache.dtype)(
             query.data_ptr(), query.stride(0), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             tables.data_ptr(), tables.stride(0), start.data_ptr(), lens.data_ptr(), attn.num_reqs,
             query.shape[1], num_kv_heads, head_dim, block_size, scale, num_threads)
@@ -150,7 +152,7 @@ class NativeKernels(NativeGemms):
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         starts = torch.cumsum(lens, 0, dtype=torch.int64) - lens
         out = torch.empty((t, heads, dim), dtype=q.dtype)
-        rc = self._fn("vb_encoder_attention", q.dtype)(
+        rc = self.function("vb_encoder_attention", q.dtype)(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), out.data_ptr(), starts.data_ptr(),
             lens.data_ptr(), len(seq_lens), heads, k.shape[1], dim, scale, num_threads)
         if rc != 0:
@@ -169,7 +171,7 @@ class NativeKernels(NativeGemms):
         in_features = q8_0.in_features_of(weight) if weight.dtype == torch.int8 else weight.shape[1]
         assert weight.is_contiguous() and rows.shape[1] == in_features
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype)
-        rc = self._fn("vb_linear_small", rows.dtype)(
+        rc = self.function("vb_linear_small", rows.dtype)(
             rows.data_ptr(), weight.data_ptr(), WEIGHT_FORMAT[weight.dtype], None if bias is None else bias.data_ptr(),
             out.data_ptr(), rows.shape[0], weight.shape[0], in_features, num_threads)
         return out if rc == 0 else None
@@ -179,7 +181,7 @@ class NativeKernels(NativeGemms):
         `streams` (1, 2, 4, 8) sequential streams side by side (cpu_read_probe.c): for timing the
         memory system. Returns the wrapping sum of its 64-bit words."""
         assert buffer.is_contiguous() and streams in (1, 2, 4, 8) and buffer.numel() * buffer.element_size() % 8 == 0
-        return self._fn("vb_read_probe", torch.float32)(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
+        return self.function("vb_read_probe", torch.float32)(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
                                                          streams, num_threads)
 
     def fma_probe(self, iters: int, x: float, y: float, num_threads: int) -> float:
@@ -187,17 +189,17 @@ class NativeKernels(NativeGemms):
         vectors) for `iters` steps in each of `num_threads` threads (cpu_fma_probe.c): for timing the
         cores' multiply-add peak, 2 x fma_width FLOPs per step and thread. Returns the sum of the final
         values."""
-        return self._fn("vb_fma_probe", torch.float32)(iters, x, y, num_threads)
+        return self.function("vb_fma_probe", torch.float32)(iters, x, y, num_threads)
 
     @property
     def fma_width(self) -> int:
         """Multiply-adds per step and thread of fma_probe (this tier's fp32 lanes x its chains)."""
-        return int(self._fn("vb_fma_width", torch.float32)())
+        return int(self.function("vb_fma_width", torch.float32)())
 
     @property
     def vector_lanes(self) -> int:
         """fp32 lanes of this tier's vectors (16 AVX-512, 8 AVX2, 4 portable on SSE2/NEON)."""
-        return int(self._fn("vb_vector_lanes", torch.float32)())
+        return int(self.function("vb_vector_lanes", torch.float32)())
 
     def has_small_linear(self, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> bool:
         """Whether this build has the small-rows linear kernel for `dtype` rows and `weight_dtype`
@@ -220,7 +222,7 @@ class NativeKernels(NativeGemms):
         value_caches: ctypes arrays of the layers' cache pointers (contiguous caches of kv_dtype), as
         many as `layers`."""
         assert len(key_caches) == len(value_caches) == len(layers)
-        rc = self._fn("vb_decoder_layers", hidden.dtype, kv_dtype)(
+        rc = self.function("vb_decoder_layers", hidden.dtype, kv_dtype)(
             layers, len(layers), ctypes.byref(step), key_caches, value_caches, hidden.data_ptr(), residual.data_ptr(),
             int(first_layer), num_threads)
         if rc != 0:
@@ -234,7 +236,7 @@ class NativeKernels(NativeGemms):
         residual: [rows, hidden] scratch of the model's dtype. Returns the steps run (fewer when a row
         sampled one of its stop tokens: the call ends with that step)."""
         assert tokens.is_contiguous() and positions.is_contiguous() and tokens.dtype == positions.dtype == torch.int64
-        done = self._fn("vb_decode_steps", hidden.dtype, kv_dtype)(
+        done = self.function("vb_decode_steps", hidden.dtype, kv_dtype)(
             layers, len(layers), ctypes.byref(step), ctypes.byref(decode), key_caches, value_caches, tokens.data_ptr(),
             positions.data_ptr(), hidden.data_ptr(), residual.data_ptr(), tokens.shape[0] - 1, num_threads)
         if done < 0:
@@ -252,7 +254,7 @@ class NativeKernels(NativeGemms):
             temperature = temperature.to(torch.float32).contiguous()
             u = u.to(torch.float32).contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.int64)
-        rc = self._fn("vb_sample", logits.dtype)(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+        rc = self.function("vb_sample", logits.dtype)(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
                                                  None if temperature is None else temperature.data_ptr(),
                                                  None if temperature is None else u.data_ptr(), out.data_ptr(),
                                                  num_threads)
@@ -265,7 +267,7 @@ class NativeKernels(NativeGemms):
         """x, residual: [..., hidden] contiguous; weight [hidden], x's dtype -> (normed, x + residual)."""
         out = torch.empty_like(x)
         new_residual = None if residual is None else torch.empty_like(x)
-        self._fn("vb_rms_norm", x.dtype)(
+        self.function("vb_rms_norm", x.dtype)(
             x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
             out.data_ptr(), None if new_residual is None else new_residual.data_ptr(),
             x.numel() // x.shape[-1], x.shape[-1], num_threads)
@@ -275,14 +277,14 @@ class NativeKernels(NativeGemms):
         """x: [..., 2d] contiguous (gate | up) -> [..., d]."""
         d = x.shape[-1] // 2
         out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-        self._fn("vb_silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d, num_threads)
+        self.function("vb_silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d, num_threads)
         return out
 
     def rotary_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 num_threads: int) -> None:
         """In place. query [T, Hq, D], key [T, Hk, D] with unit head and element strides (rows may be
         apart: views of the fused qkv output); cos, signed_sin [T, D] contiguous, query's dtype."""
-        self._fn("vb_rotary", query.dtype)(
+        self.function("vb_rotary", query.dtype)(
             query.data_ptr(), query.stride(0), query.shape[1], key.data_ptr(), key.stride(0), key.shape[1],
             cos.data_ptr(), signed_sin.data_ptr(), query.shape[0], query.shape[2], num_threads)
 
@@ -291,7 +293,7 @@ class NativeKernels(NativeGemms):
         """key, value [T, Hk, D] (rows may be apart); caches contiguous, in key's dtype, a half precision
         (rounded to nearest even, as .to() does) or fp8 (rounded so, and saturated: cache_ref's clamp
         and .to()); slots [T] int64 contiguous."""
-        self._fn("vb_write_kv", key.dtype, key_cache.dtype)(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+        self.function("vb_write_kv", key.dtype, key_cache.dtype)(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                            key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
                                            key.shape[0], key.shape[1] * key.shape[2])
 
@@ -342,7 +344,7 @@ def load(tier: CpuTier | None = None, variants: Sequence[str] = (BASE_VARIANT,))
         _loaded[tier.name] = None
         if os.environ.get("VBATCH_CPU_NATIVE", "1") != "0":
             try:
-                kernels = NativeKernels(build(tier, ())[0], tier)
+                kernels = NativeKernels(tier)
                 kernels.prepare(variants)
                 _loaded[tier.name] = kernels
             except Exception as e:  # noqa: BLE001 - no compiler / failed build: the torch path runs instead

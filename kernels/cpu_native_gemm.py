@@ -17,7 +17,7 @@ _Q8_GEMM_ERRORS = {2: "input width not a multiple of 32", 3: "out of memory for 
 
 
 class NativeGemms:
-    """The GEMM methods of cpu_native.NativeKernels (which supplies `_fn`, the entry point of a name
+    """The GEMM methods of cpu_native.NativeKernels (which supplies `function`, the entry point of a name
     for a dtype, and `_probes`, the probes' results)."""
 
     def gemm(self, rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -34,7 +34,7 @@ class NativeGemms:
             assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
         name = "vb_gemm" if packed.dtype == torch.float32 else "vb_gemm_f16"
-        rc = self._fn(name, torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+        rc = self.function(name, torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                                            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
                                            rows.shape[0], n, k, num_threads)
         if rc == 3:
@@ -58,7 +58,7 @@ class NativeGemms:
         inter = two_inter // 2
         out = torch.empty(rows.shape[0], inter if fuse else two_inter, dtype=torch.float32)
         name = "vb_gemm_gated" if packed.dtype == torch.float32 else "vb_gemm_gated_f16"
-        rc = self._fn(name, torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+        rc = self.function(name, torch.float32)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                                            None if bias is None else bias.data_ptr(), out.data_ptr(), out.shape[1],
                                            rows.shape[0], inter, k, int(fuse), num_threads)
         if rc == 3:
@@ -91,7 +91,7 @@ class NativeGemms:
             assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (out_features,)
         width = out_features // 2 if gated else out_features
         out = torch.empty(rows.shape[0], width, dtype=torch.float32)
-        rc = self._fn("vb_gemm_q8_gated" if gated else "vb_gemm_q8", torch.float32)(
+        rc = self.function("vb_gemm_q8_gated" if gated else "vb_gemm_q8", torch.float32)(
             rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
             out.data_ptr(), width, rows.shape[0], width, k, int(vnni), num_threads)
         if rc == 1:

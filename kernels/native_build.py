@@ -125,13 +125,17 @@ def toolchain_defines(cc: str, tier: CpuTier) -> tuple[str, ...]:
     return () if proc.returncode == 0 else ("-DVB_NO_AVXVNNI_ASM",)
 
 
+def _library_name(variant: str) -> str:
+    return f"libvbatch_cpu_{variant}.so"
+
+
 def library_path(build_or_library: Path, variant: str) -> Path:
     """`variant`'s library in a build's folder (what build() returns); a library file is itself (the
     benchmarks' --against takes either). A folder of a build from before the libraries were split by
     variant holds one library with every variant: that one."""
     if build_or_library.is_file():
         return build_or_library
-    path = build_or_library / f"libvbatch_cpu_{variant}.so"
+    path = build_or_library / _library_name(variant)
     old = build_or_library / "libvbatch_cpu.so"
     return old if not path.exists() and old.exists() else path
 
@@ -167,7 +171,7 @@ def build(tier: CpuTier, variants: Sequence[str] = (BASE_VARIANT,), compiler: st
     target_cpu = f"{for_cpu.machine} {' '.join(sorted(for_cpu.flags))}"
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, target_cpu, tier.name]).encode())
     folder = _cache_dir() / key.hexdigest()[:16]
-    missing = [v for v in dict.fromkeys(variants) if not (folder / f"libvbatch_cpu_{v}.so").exists()]
+    missing = [v for v in dict.fromkeys(variants) if not (folder / _library_name(v)).exists()]
     if missing:
         if compiling is not None:
             compiling(folder, missing)
@@ -180,29 +184,33 @@ def build(tier: CpuTier, variants: Sequence[str] = (BASE_VARIANT,), compiler: st
 def _compile(cc: str, flags: tuple[str, ...], tier: CpuTier, folder: Path, variants: list[str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        jobs = [([cc, *flags, *_DEFINES[variant], f"-I{CSRC}", "-c", str(source), "-o", f"{tmp}/{source.stem}_{variant}.o"],
-                 f"{source.name} ({variant})", variant)
-                for variant in variants for source in variant_sources(variant)]
-        # the longest compiles first, so that they do not end the pool's run alone
-        jobs.sort(key=lambda job: -_COMPILE_WEIGHT.get(Path(job[0][-3]).name, 1))
+        # (source, variant), the longest compiles first, so that they do not end the pool's run alone
+        jobs = sorted(((source, variant) for variant in variants for source in variant_sources(variant)),
+                      key=lambda job: -_COMPILE_WEIGHT.get(job[0].name, 1))
 
-        def compile_one(job: tuple[list[str], str, str]) -> subprocess.CompletedProcess:
-            return subprocess.run(job[0], capture_output=True, text=True)
+        def object_of(source: Path, variant: str) -> str:
+            return f"{tmp}/{source.stem}_{variant}.o"
+
+        def compile_one(job: tuple[Path, str]) -> subprocess.CompletedProcess:
+            source, variant = job
+            return subprocess.run([cc, *flags, *_DEFINES[variant], f"-I{CSRC}", "-c", str(source), "-o",
+                                   object_of(source, variant)], capture_output=True, text=True)
 
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            for (command, what, _), proc in zip(jobs, pool.map(compile_one, jobs)):
+            for (source, variant), proc in zip(jobs, pool.map(compile_one, jobs)):
+                what = f"{source.name} ({variant})"
                 if proc.returncode != 0:
                     raise RuntimeError(f"{cc} failed to build {what} for the {tier.name} tier:\n{proc.stderr[-2000:]}")
                 if proc.stderr.strip():
                     logger.debug("%s warned building %s for the %s tier:\n%s", cc, what, tier.name, proc.stderr)
         for variant in variants:
-            library = f"{tmp}/libvbatch_cpu_{variant}.so"
-            objects = [command[-1] for command, _, of in jobs if of == variant]
+            library = f"{tmp}/{_library_name(variant)}"
+            objects = [object_of(source, variant) for source in variant_sources(variant)]
             proc = subprocess.run([cc, "-shared", "-fopenmp", *_extra_flags(), *objects, "-o", library],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed to link the native kernels ({variant}):\n{proc.stderr[-2000:]}")
-            os.replace(library, folder / f"libvbatch_cpu_{variant}.so")
+            os.replace(library, folder / _library_name(variant))
 
 
 # Relative compile times of the sources (gcc 12 -O3, every tier alike): the paged attention's

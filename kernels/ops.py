@@ -125,9 +125,10 @@ def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtyp
     from .cpu_native_ops import NativeOps
     from .native_build import variants_for
     tier = tier or cpu_features.selected_tier()
-    # the variants the model will call, built now (the engine's start-up) rather than in a step
-    kv_if_native = kv_cache_dtype or (tier.half_dtype if dtype == torch.float32 and prefer_half else dtype)
-    native = cpu_native.load(tier, variants_for(dtype, kv_if_native))
+    # half-precision storage needs the native kernels to widen it; their variants for the model's
+    # storage are built now (the engine's start-up) rather than in a step
+    half_storage = tier.half_dtype if dtype == torch.float32 and prefer_half else dtype
+    native = cpu_native.load(tier, variants_for(dtype, kv_cache_dtype or half_storage))
     if quantization is not None and (quantization != q8_0.NAME or dtype != torch.float32 or native is None
                                      or not native.has_small_linear(dtype, torch.int8)
                                      or not gemm_libraries.can_pack(dtype)):
@@ -135,9 +136,9 @@ def _cpu_ops(dtype: torch.dtype, weight_dtype: torch.dtype | None, kv_cache_dtyp
             f"{quantization} weights need an fp32 model, the native CPU kernels and oneDNN (here: "
             f"{str(dtype).removeprefix('torch.')} model, native kernels {'built' if native else 'not built'})")
     fast_bf16 = tier.bf16_compute and gemm_libraries.can_pack(torch.bfloat16)
-    half = dtype == torch.float32 and prefer_half and native is not None
-    weight_dtype = weight_dtype or (tier.half_dtype if half else dtype)
-    kv_cache_dtype = kv_cache_dtype or (tier.half_dtype if half else dtype)
+    storage = half_storage if native is not None else dtype
+    weight_dtype = weight_dtype or storage
+    kv_cache_dtype = kv_cache_dtype or storage
     ops = dataclasses.replace(REFERENCE_OPS, name=f"cpu-{_short(dtype)}-{tier.name}", cpu_tier=tier,
                               weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                               **_ENCODER_FAST)

@@ -430,7 +430,7 @@ def test_native_compile_is_reported_only_by_the_start_up_that_did_it():
     # a test, a benchmark script) compiled nothing, so its build must not claim their compile.
     from vbatch.engine.compile_times import CompileTimes, native_load
     from vbatch.kernels.cpu_native import NativeKernels, NativeLoad
-    native = NativeKernels(None, None)
+    native = NativeKernels(None)
     native._loads.extend([NativeLoad(done_at=100.0, seconds=13.0, compiled=True),      # the first engine's
                           NativeLoad(done_at=130.0, seconds=0.25, compiled=False)])    # a variant found built
     assert native_load(None, 50.0) == {"native_kernels_s": None, "native_kernels_compiled": None}

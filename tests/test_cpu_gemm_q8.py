@@ -276,7 +276,7 @@ def test_a_build_whose_assembler_lacks_avx_vnni_keeps_the_avx2_path(monkeypatch,
     native_build.toolchain_defines.cache_clear()
     try:
         assert native_build.toolchain_defines(cc, tier) == ("-DVB_NO_AVXVNNI_ASM",)
-        kernels = cpu_native.NativeKernels(native_build.build(tier, (), compiler=cc)[0], tier, compiler=cc)
+        kernels = cpu_native.NativeKernels(tier, compiler=cc)
         kernels.prepare([native_build.BASE_VARIANT])
         assert kernels.loads_since(0.0)[0].compiled
         assert kernels.has_gemm_q8_0 and not kernels.has_gemm_q8_0_vnni
