@@ -49,6 +49,19 @@ class Knob:
     def value(self, table: dict[str, object], tier: str):
         return table.get(tier, table.get("*"))
 
+    def kept_on(self, tier: str, flags: tuple[str, ...]) -> str:
+        """The value this CPU's build has: a -DNAME=V among its build flags (a choice for this CPU,
+        kernels/native_build.build_flags), else the source's value for the tier."""
+        chosen = [flag.split("=", 1)[1] for flag in flags if flag.startswith(f"-D{self.name}=")]
+        return chosen[-1] if chosen else self.value(self.kept, tier)
+
+    def raced_on(self, tier: str, flags: tuple[str, ...]) -> tuple[str, ...]:
+        """The values raced against the kept one: the tier's alternatives, and the source's own value
+        where this CPU builds another."""
+        kept = self.kept_on(tier, flags)
+        values = (*self.value(self.alternatives, tier), self.value(self.kept, tier))
+        return tuple(dict.fromkeys(v for v in values if v != kept))
+
 
 SMALL_ROWS = ("--rounds", "60")
 SMALL_ROWS_QUICK = ("--rounds", "3", "--layers", "2")
@@ -58,10 +71,9 @@ ALL = ("avx512-bf16", "avx512", "avx2", "portable")
 NARROW = ("avx2", "portable")
 
 KNOBS = (
-    Knob("STREAMS_1", ALL, {"avx512-bf16": "4", "avx512": "4", "*": "8"}, {"avx512-bf16": ("8",), "avx512": ("8",),
-                                                                           "*": ("4",)},
+    Knob("STREAMS_1", ALL, {"*": "4"}, {"*": ("8",)},
          "small_rows.py", ("--dtype", "float32", "--weights", "{half}", "--rows", "1"), SMALL_ROWS_QUICK,
-         "weight streams a thread at one row of fp32 x: 8 on Zen 3 (session 8), 4 on 16 lanes (Zen 4, session 36)"),
+         "weight streams a thread at one row of fp32 x: 4 on 16 lanes (Zen 4, session 36), on avx2 (Zen 3, session 40)"),
     Knob("BF16_STREAMS", ("avx512-bf16",), {"*": "4"}, {"*": ("8",)},
          "small_rows.py", ("--dtype", "bfloat16", "--rows", "1"), SMALL_ROWS_QUICK,
          "weight streams a thread at one bf16 row: Intel Xeon (19.5 GB/s at 4, 19.0 at 8)"),
@@ -73,7 +85,7 @@ KNOBS = (
          "bytes prefetched ahead at 3-4 rows over Q8_0 weights: Zen 4 (1.08x, session 36)"),
     Knob("SPAN_PREFETCH", NARROW, {"*": "32"}, {"*": ("16", "64")},
          "decode_attention.py", ("--dtype", "float32", "--kv-dtype", "{half}", "--order", "in-order"), ATTENTION_QUICK,
-         "positions prefetched ahead by the decode spans: Intel Xeon (session 12), Zen 4 (session 36)"),
+         "positions prefetched ahead by the decode spans: Intel Xeon (session 12), Zen 4 (session 36); 16 on Zen 3 (session 40)"),
     Knob("SPLIT_BELOW_ROWS", ALL, {"avx512-bf16": "4", "avx512": "4", "*": "2"}, {"*": ("0",)},
          "decode_attention.py", ("--dtype", "{act}", "--kv-dtype", "{kv}", "--batch", "1", "--positions", "1536"),
          ATTENTION_QUICK, "decode rows split along their positions below this many rows: Zen 4 (session 35)"),
@@ -170,10 +182,12 @@ def main() -> int:
     knobs = [k for k in KNOBS if tier.name in k.tiers and (args.only is None or k.name in args.only)]
     if not knobs:
         raise SystemExit(f"none of the constants asked for applies to the {tier.name} tier")
+    from vbatch.kernels import native_build
+    flags = native_build.build_flags(tier)
     if args.list:
         for k in knobs:
-            print(f"{k.name}: kept {k.value(k.kept, tier.name)}, raced against "
-                  f"{', '.join(k.value(k.alternatives, tier.name))} by bench/{k.script}; {k.decided}")
+            print(f"{k.name}: kept {k.kept_on(tier.name, flags)}, raced against "
+                  f"{', '.join(k.raced_on(tier.name, flags))} by bench/{k.script}; {k.decided}")
         return 0
     features = cpu_features.detect()
     quick = " (--quick: not a verdict)" if args.quick else ""
@@ -182,8 +196,8 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---|")
     failed = 0
     for k in knobs:
-        for value in k.value(k.alternatives, tier.name):
-            kept = k.value(k.kept, tier.name)
+        kept = k.kept_on(tier.name, flags)
+        for value in k.raced_on(tier.name, flags):
             try:
                 speed, differ, shown = race(k, tier.name, value, args.quick, args.threads)
                 print(f"| {k.name} | {kept} | {value} | {speed:.3f}x | {differ} | `{shown}` |", flush=True)

@@ -145,6 +145,14 @@ class CpuFeatures:
         return self.vendor == "GenuineIntel"
 
     @property
+    def span_prefetch_positions(self) -> int | None:
+        """How many positions ahead the decode attention's spans (AVX2, portable) prefetch the cache
+        rows where this CPU measured another distance than the source's 32 (kernels/csrc/
+        vb_attention_spans.h SPAN_PREFETCH's NOTE): Zen 3 16 (1.02-1.11x the speed of 32 in six
+        races, session 40), where Zen 4 took 1.19x the time at 16 and the Intel Xeon 1.09x. None: 32."""
+        return 16 if self.amd_zen == 3 else None
+
+    @property
     def q8_0_integer_gemm_beats_avx512(self) -> bool:
         """Whether Q8_0 layers multiply 5+ rows faster in vbatch's integer GEMM (256-bit vpmaddwd,
         cpu_gemm_q8.c) than in oneDNN's AVX-512 fp32 GEMM over the dequantized weights, on a CPU of

@@ -111,7 +111,9 @@ class PackedLinear(nn.Module):
         of 6 and 4 of 4 rounds), at 32 prompts 1.046x (6 of 6); 8 against 32 at 24 prompts 1.041x; at
         12 prompts all three within 1%. So 16 there too. avx512-bf16 tier, fp16 weights: 16 against 12 at 16
         prompts 1.05x (6 of 6 rounds), 32 against 16 at 32 prompts 0.95-1.08x (not kept). portable
-        (SSE4.1 hold): 16 against 4 at 8 prompts 1.24x, at 16 prompts 1.06x.
+        (SSE4.1 hold): 16 against 4 at 8 prompts 1.24x, at 16 prompts 1.06x. On Zen 3 itself
+        (session 40, 6 rounds each): 16 against 32 at 24 prompts 1.06x (5 of 6 rounds), at 32 prompts
+        1.11x (5 of 6); against 8 and 12 at 16 prompts 1.07x and 1.08x, at 12 prompts 1.05x and 0.95x.
     For the same bytes (bf16 weights under zentorch's bf16 GEMM on Zen 4): 4 rows 1.11x, 5 rows 0.87x,
     8 rows 0.85x. Q8_0 against the integer GEMM: kernels/cpu_q8_0_linear.py."""
 

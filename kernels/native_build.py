@@ -99,8 +99,11 @@ def _cache_dir() -> Path:
 
 def build_flags(tier: CpuTier, cpu: CpuFeatures | None = None) -> tuple[str, ...]:
     """The compiler flags of `tier`'s build on `cpu` (default: this machine's)."""
-    prefetch = ("-DVB_PREFETCH_STREAMS",) if (cpu or detect()).prefetches_weight_streams else ()
-    return (*FLAGS, *tier.compile_flags, *prefetch, *_extra_flags())
+    cpu = cpu or detect()
+    prefetch = ("-DVB_PREFETCH_STREAMS",) if cpu.prefetches_weight_streams else ()
+    span = cpu.span_prefetch_positions
+    spans = (f"-DSPAN_PREFETCH={span}",) if span is not None else ()
+    return (*FLAGS, *tier.compile_flags, *prefetch, *spans, *_extra_flags())
 
 
 def _extra_flags() -> tuple[str, ...]:

@@ -318,24 +318,20 @@ static inline __attribute__((always_inline)) void rows_f32(
 /* Streams for M rows of x: S x M accumulators (independent FMA chains, enough to cover the FMA
  * latency at the rate memory feeds them) within 8 of the 16 registers of AVX2 (and SSE / NEON),
  * the rest for the x and weight vectors. */
-/* At one row of x over fp32 / fp16 / bf16 weights: 8 streams on narrow registers, 4 on 16 lanes;
- * over Q8_0 weights 8 on every tier.
- * NOTE: why 4 on 16 lanes: on Zen 4 the avx512 tier over fp16 weights read 1.10x faster with 4
- * than with 8 (`python bench/small_rows.py --tier avx512 --dtype float32 --weights float16 --rows 1
- * --rounds 150 --against <a build with -DSTREAMS_1=4>`, twice, probe at 80 GB/s), as the Intel
- * Xeon's 16-lane bf16 kernel did (BF16_STREAMS' NOTE: 19.5 GB/s at four, 19.0 at eight). The avx2
- * tier's 8 were chosen on Zen 3 (the NOTE above rows_f32: 20.5 GB/s at eight against 19.9 at four,
- * whose read probe gains 23% from four streams to eight); Zen 4 held to AVX2 reads 1.11-1.15x faster
- * at four in the same race, in slow and fast minutes, so the race is owed on Zen 3.
+/* At one row of x over fp32 / fp16 / bf16 weights: 4 streams on every tier; over Q8_0 weights 8.
+ * NOTE: why 4: on Zen 4 the avx512 tier over fp16 weights read 1.10x faster with 4 than with 8
+ * (`python bench/small_rows.py --tier avx512 --dtype float32 --weights float16 --rows 1 --rounds 150
+ * --against <a build with -DSTREAMS_1=8>`, twice, probe at 80 GB/s), as the Intel Xeon's 16-lane bf16
+ * kernel did (BF16_STREAMS' NOTE: 19.5 GB/s at four, 19.0 at eight). The narrow tiers had 8, chosen on
+ * Zen 3 in session 8 (20.5 GB/s at eight against 19.9 at four, a tie); Zen 4 and Zen 5 held to AVX2
+ * then read 1.13-1.14x faster at four, and Zen 3 itself again in session 40 (`python bench/retune.py
+ * --tier avx2 --only STREAMS_1`, 60 rounds, twice): 1.027x and 1.117x the speed of eight; the portable
+ * tier over bf16 1.034x.
  * NOTE: why not for Q8_0: its int8 rows carry half the bytes per instruction (rows_q8's NOTE), and on
  * 16 lanes they read faster at eight: 1.06x (avx512 tier) and 1.09x (avx512-bf16 tier's fp32 rows)
  * the speed of four on Zen 4 (`--weights q8_0 --rows 1 --rounds 120 --against <-DSTREAMS_1=8>`). */
 #ifndef STREAMS_1
-#if VL == 16
 #define STREAMS_1 4
-#else
-#define STREAMS_1 8
-#endif
 #endif
 #define STREAMS(M, FMT) ((M) == 1 ? ((FMT) == VB_WEIGHT_Q8_0 ? 8 : STREAMS_1) : (M) == 2 ? 4 : 2)
 

@@ -19,7 +19,14 @@
  * 37-39 at 64, 40-42 at 128 (docs/performance/intel-xeon.md, session 12). On Zen 4 (avx2 tier, fp16
  * cache, 256 x 384 positions in order, 2 threads; session 36, `python bench/decode_attention.py --tier
  * avx2 --dtype float32 --kv-dtype float16 --order in-order --repeats 9 --against <a build with
- * -DSPAN_PREFETCH=N>`): 16 / 48 / 64 / 96 ahead took 1.19x / 1.02x / 1.10x / 1.14x the time of 32. */
+ * -DSPAN_PREFETCH=N>`): 16 / 48 / 64 / 96 ahead took 1.19x / 1.02x / 1.10x / 1.14x the time of 32.
+ * NOTE: Zen 3 builds 16 (kernels/cpu_features.py span_prefetch_positions; the build adds
+ * -DSPAN_PREFETCH=16): there 16 ran 1.02-1.11x the speed of 32 in six races (session 40, `python
+ * bench/retune.py --tier avx2 --only SPAN_PREFETCH` twice, and bench/decode_attention.py --order
+ * random / in-order, 7 rounds each, caches on huge pages or not), the portable tier 1.06x; 64 ran
+ * 0.92-0.98x, 8 0.99-1.05x. Also tried there, not kept: a second prefetch 48-96 positions ahead
+ * with hint 1 (8 and 48 ahead against 16 alone: 1.01-1.07x), spans of 16 or 64 positions (no better
+ * than the distance alone), prefetcht0 (hint 3: 0.96-1.04x). */
 #ifndef SPAN_PREFETCH
 #define SPAN_PREFETCH SPAN
 #endif
@@ -166,7 +173,10 @@ static inline __attribute__((always_inline)) void span_pv(
  * NOTE: why not per block with all heads' accumulators in registers, as the 16-lane build does:
  * G x NV accumulators (24 for 3 query heads of 64 fp32 dims) do not fit 16 registers. Measured on
  * Zen 3 (fp32, 3 kv heads x 3 query heads, 64 x 448 positions, one thread): per query head over
- * whole blocks 69 cycles per position and kv head with warm caches, 176 from memory; here 58 and ... */
+ * whole blocks 69 cycles per position and kv head with warm caches, 176 from memory; here 57 with
+ * warm caches (commit 6cb190e; its figure from memory went unrecorded). Session 40 there, fp16 cache,
+ * bench/decode_attention.py: 21 ns per position and kv head in L2-L3 (4 x 256 positions, 1 thread),
+ * 54-66 from memory (256 x 384 positions x 30 layers, 1 or 2 threads): bound by memory latency. */
 static inline __attribute__((always_inline)) void attend_row_spans(
         const Problem *p, const ItemView *iv, const Item *it, const act_t *qrow /* [Hq, D] */,
         act_t *orow /* [Hq, D] */, int begin, int len /* positions begin .. len - 1 */,
