@@ -102,8 +102,12 @@ def build_flags(tier: CpuTier, cpu: CpuFeatures | None = None) -> tuple[str, ...
     cpu = cpu or detect()
     prefetch = ("-DVB_PREFETCH_STREAMS",) if cpu.prefetches_weight_streams else ()
     span = cpu.span_prefetch_positions
-    spans = (f"-DSPAN_PREFETCH={span}",) if span is not None else ()
-    return (*FLAGS, *tier.compile_flags, *prefetch, *spans, *_extra_flags())
+    chosen = (*prefetch, *((f"-DSPAN_PREFETCH={span}",) if span is not None else ()))
+    extra = _extra_flags()
+    # a constant VBATCH_NATIVE_CFLAGS sets (bench/retune.py's alternative builds) replaces this CPU's
+    # choice of it instead of redefining it
+    overridden = {flag.split("=")[0] for flag in extra if flag.startswith("-D")}
+    return (*FLAGS, *tier.compile_flags, *(f for f in chosen if f.split("=")[0] not in overridden), *extra)
 
 
 def _extra_flags() -> tuple[str, ...]:

@@ -85,7 +85,7 @@ def test_extra_build_flags_come_from_the_environment(monkeypatch):
     assert native_build.build_flags(tier) == (*plain, "-fsanitize=address", "-g")
 
 
-def test_zen_3_builds_its_own_span_prefetch_distance():
+def test_zen_3_builds_its_own_span_prefetch_distance(monkeypatch):
     # Measured: the decode spans read faster prefetching 16 positions ahead on Zen 3, 32 on Zen 4 and
     # the Intel Xeon (vb_attention_spans.h SPAN_PREFETCH's NOTE). Family 25 is Zen 3 at model 1 and
     # Zen 4 at model 0x11; the source's #ifndef then takes the flag (the preprocessor's own account).
@@ -97,6 +97,11 @@ def test_zen_3_builds_its_own_span_prefetch_distance():
     assert "-DSPAN_PREFETCH=16" in zen3
     for other in (cpu("AuthenticAMD", 25, 0x11), cpu("AuthenticAMD", 26, 0x02), cpu("GenuineIntel", 6, 0x8F)):
         assert not any(flag.startswith("-DSPAN_PREFETCH") for flag in native_build.build_flags(tier, other))
+    # a race's alternative (VBATCH_NATIVE_CFLAGS, bench/retune.py) replaces the CPU's choice, not redefines it
+    monkeypatch.setenv("VBATCH_NATIVE_CFLAGS", "-DSPAN_PREFETCH=32")
+    raced = native_build.build_flags(tier, cpu("AuthenticAMD", 25, 0x01))
+    assert [f for f in raced if f.startswith("-DSPAN_PREFETCH")] == ["-DSPAN_PREFETCH=32"]
+    monkeypatch.delenv("VBATCH_NATIVE_CFLAGS")
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("needs a C compiler (cc or gcc) to preprocess the kernel source")
