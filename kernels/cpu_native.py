@@ -289,13 +289,13 @@ class NativeKernels(NativeGemms):
             cos.data_ptr(), signed_sin.data_ptr(), query.shape[0], query.shape[2], num_threads)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+                 value_cache: torch.Tensor, slots: torch.Tensor, num_threads: int) -> None:
         """key, value [T, Hk, D] (rows may be apart); caches contiguous, in key's dtype, a half precision
         (rounded to nearest even, as .to() does) or fp8 (rounded so, and saturated: cache_ref's clamp
         and .to()); slots [T] int64 contiguous."""
         self.function("vb_write_kv", key.dtype, key_cache.dtype)(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                            key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
-                                           key.shape[0], key.shape[1] * key.shape[2])
+                                           key.shape[0], key.shape[1] * key.shape[2], num_threads)
 
 
 def _bind(path: Path, variant: str) -> ctypes.CDLL:
@@ -308,7 +308,7 @@ def _bind(path: Path, variant: str) -> ctypes.CDLL:
         "vb_rms_norm": ([p, p, p, f32, p, p, i64, i32, i32], None),
         "vb_silu_and_mul": ([p, p, i64, i32, i32], None),
         "vb_rotary": ([p, i64, i32, p, i64, i32, p, p, i64, i32, i32], None),
-        "vb_write_kv": ([p, i64, p, i64, p, p, p, i64, i32], None),
+        "vb_write_kv": ([p, i64, p, i64, p, p, p, i64, i32, i32], None),
         "vb_decoder_layers": ([p, i32, p, p, p, p, p, i32, i32], ctypes.c_int),
         "vb_sample": ([p, i64, i32, i32, p, p, p, i32], ctypes.c_int),
         "vb_decode_steps": ([p, i32, p, p, p, p, p, p, p, p, i32, i32], ctypes.c_int),

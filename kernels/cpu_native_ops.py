@@ -183,7 +183,7 @@ class NativeOps:
                 and has_variant(key.dtype, key_cache.dtype)
                 and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
             return cache_ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-        self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        self.kernels.write_kv(key, value, key_cache, value_cache, slot_mapping, torch.get_num_threads())
 
     # --- whole decoder layers for a few tokens (kernels/csrc/cpu_decoder_layer.c) ---------------
 

@@ -92,6 +92,30 @@ def test_native_kv_write_matches_reference(native, any_variant):
         assert torch.equal(got[~nan], want[~nan])                      # every other value bit for bit
 
 
+def test_native_kv_write_shared_across_threads_matches_reference(native, any_variant):
+    # A prompt step's write (here 1,000 rows x 192 values, above the kernels' threading threshold) is
+    # split across two threads: every row lands in its slot, scattered over the blocks, bit for bit
+    # as the reference's; the rows are apart (keys and values are views into a qkv product).
+    from vbatch.kernels import cache_ref
+    dtype, kv_dtype = any_variant
+    torch.manual_seed(1)
+    rows, blocks = 1000, 80
+    qkv = torch.randn(rows, 576 + 2 * 192).to(dtype)
+    k, v = (t.view(rows, 3, 64) for t in qkv[:, 576:].split([192, 192], dim=-1))
+    slots = torch.randperm(blocks * 16)[:rows]
+    want_k, want_v = torch.zeros(blocks, 16, 3, 64, dtype=kv_dtype), torch.zeros(blocks, 16, 3, 64, dtype=kv_dtype)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    cache_ref.write_kv_cache(k, v, want_k, want_v, slots)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        NativeOps(native).write_kv_cache(k, v, got_k, got_v, slots)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))    # bit for bit (no NaN here)
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_native_fp8_kv_write_rounds_every_code_and_every_tie(native, dtype, kv_dtype):

@@ -39,7 +39,7 @@ static int layer_shared(const VbLayer *L, const VbStep *S, const VbAttention *pl
     {
         VB_ACT(vb_rotary_rows)(S->qkv, QKV, L->num_q_heads, S->qkv + Q, QKV, L->num_kv_heads, S->cos, S->signed_sin,
                                0, T, D);
-        VB_ACT(vb_write_kv)(S->qkv + Q, QKV, S->qkv + Q + KV, QKV, key_cache, value_cache, S->slots, T, KV);
+        VB_ACT(vb_write_kv_rows)(S->qkv + Q, QKV, S->qkv + Q + KV, QKV, key_cache, value_cache, S->slots, 0, T, KV);
     }
     mine |= VB_ACT(vb_attention_run_shared)(plan);
     mine |= VB_ACT(vb_linear_small_shared)(S->attn, L->o_weight, W, L->o_bias, S->proj, T, H, Q);

@@ -12,7 +12,8 @@
  * agree with them to the last bit except where a sum is taken in a different order (and, in fp32,
  * where a multiply and an add contract into one FMA).
  * NOTE: rows are split across threads only above PARALLEL_MIN elements: below that the fork/join
- * costs more than it saves.
+ * costs more than it saves. The KV write, which waits on memory rather than arithmetic, splits from
+ * KV_WRITE_PARALLEL_ROWS rows (vb_write_kv's NOTE).
  */
 #include <math.h>
 #include <string.h>
@@ -20,6 +21,10 @@
 #include "vb_kernels.h"
 
 #define PARALLEL_MIN 65536
+/* Rows from which the KV write is split across the threads (vb_write_kv's NOTE). */
+#ifndef KV_WRITE_PARALLEL_ROWS
+#define KV_WRITE_PARALLEL_ROWS 8
+#endif
 
 static inline vf load_n(const act_t *src, int n) { return n == VL ? load_act(src) : load_act_tail(src, n); }
 
@@ -105,9 +110,10 @@ static inline void convert_row(kv_t *dst, const act_t *src, int width) {
     }
 }
 
-void VB_ACT(vb_write_kv)(const act_t *key, int64_t k_row_stride, const act_t *value, int64_t v_row_stride,
-                         kv_t *key_cache, kv_t *value_cache, const int64_t *slots, int64_t rows, int width) {
-    for (int64_t t = 0; t < rows; ++t) {
+void VB_ACT(vb_write_kv_rows)(const act_t *key, int64_t k_row_stride, const act_t *value, int64_t v_row_stride,
+                              kv_t *key_cache, kv_t *value_cache, const int64_t *slots, int64_t row_begin,
+                              int64_t row_end, int width) {
+    for (int64_t t = row_begin; t < row_end; ++t) {
         if (VB_KV_IS_ACT) {
             memcpy(key_cache + slots[t] * width, key + t * k_row_stride, sizeof(kv_t) * (size_t)width);
             memcpy(value_cache + slots[t] * width, value + t * v_row_stride, sizeof(kv_t) * (size_t)width);
@@ -118,10 +124,11 @@ void VB_ACT(vb_write_kv)(const act_t *key, int64_t k_row_stride, const act_t *va
     }
 }
 
-/* The same over all rows, split across num_threads threads above PARALLEL_MIN elements. */
-#define SPLIT_ROWS(rows, elements, call)                                                              \
+/* The same over all rows, split across num_threads threads when `worth` (PARALLEL_MIN elements for
+ * the arithmetic ones). */
+#define SPLIT_ROWS(rows, worth, call)                                                                 \
     do {                                                                                              \
-        const int team = num_threads > 1 && (elements) >= PARALLEL_MIN ? num_threads : 1;             \
+        const int team = num_threads > 1 && (worth) ? num_threads : 1;                                \
         _Pragma("omp parallel for schedule(static) num_threads(team)")                               \
         for (int part = 0; part < team; ++part) {                                                     \
             const int64_t row_begin = (rows) * part / team, row_end = (rows) * (part + 1) / team;     \
@@ -131,17 +138,37 @@ void VB_ACT(vb_write_kv)(const act_t *key, int64_t k_row_stride, const act_t *va
 
 void VB_ACT(vb_rms_norm)(const act_t *x, const act_t *residual, const act_t *weight, float eps, act_t *out,
                          act_t *new_residual, int64_t rows, int hidden, int num_threads) {
-    SPLIT_ROWS(rows, rows * hidden,
+    SPLIT_ROWS(rows, rows * hidden >= PARALLEL_MIN,
                VB_ACT(vb_rms_norm_rows)(x, residual, weight, eps, out, new_residual, row_begin, row_end, hidden));
 }
 
 void VB_ACT(vb_silu_and_mul)(const act_t *x, act_t *out, int64_t rows, int d, int num_threads) {
-    SPLIT_ROWS(rows, rows * d, VB_ACT(vb_silu_and_mul_rows)(x, out, row_begin, row_end, d));
+    SPLIT_ROWS(rows, rows * d >= PARALLEL_MIN, VB_ACT(vb_silu_and_mul_rows)(x, out, row_begin, row_end, d));
+}
+
+/* NOTE: why the KV write is shared across the threads from 8 rows (KV_WRITE_PARALLEL_ROWS), where the
+ * arithmetic ops wait for PARALLEL_MIN elements. Its rows scatter to blocks anywhere in caches that
+ * are mostly out of the CPU's caches, so a thread mostly waits on memory: in the 256-prompt run
+ * (bench/op_times.py, Zen 3, session 41) one thread took 1.4 us a row in the prompt steps (4.0 s)
+ * and 1.9 s over the decode steps' 256 rows a call. Measured there, SmolLM2's 3 x 64 fp32 keys and
+ * values into fp16 caches of 20-30 layers in turn, 2 threads against 1:
+ *   - a prompt step's 7,400 rows (20 layers, 7 runs alternating): 155-292 against 252-587 ns a row;
+ *     end to end the prompt steps' writes went from 4.0 to 1.9 s;
+ *   - a decode step's rows, each in a block of its own (7 rounds, medians, the call's Python
+ *     included): 1.58x at 8 rows, 1.80x at 16, 2.25x at 32 and 64, 1.96x at 256.
+ * A software prefetch of the destination rows 8 ahead lost in 5 of the 7 prompt-step runs (0.45-1.7x
+ * the time on one thread). */
+void VB_ACT(vb_write_kv)(const act_t *key, int64_t k_row_stride, const act_t *value, int64_t v_row_stride,
+                         kv_t *key_cache, kv_t *value_cache, const int64_t *slots, int64_t rows, int width,
+                         int num_threads) {
+    SPLIT_ROWS(rows, rows >= KV_WRITE_PARALLEL_ROWS,
+               VB_ACT(vb_write_kv_rows)(key, k_row_stride, value, v_row_stride, key_cache, value_cache, slots,
+                                        row_begin, row_end, width));
 }
 
 void VB_ACT(vb_rotary)(act_t *q, int64_t q_row_stride, int q_heads, act_t *k, int64_t k_row_stride, int k_heads,
                        const act_t *cos, const act_t *signed_sin, int64_t rows, int head_dim, int num_threads) {
-    SPLIT_ROWS(rows, rows * (q_heads + k_heads) * head_dim,
+    SPLIT_ROWS(rows, rows * (q_heads + k_heads) * head_dim >= PARALLEL_MIN,
                VB_ACT(vb_rotary_rows)(q, q_row_stride, q_heads, k, k_row_stride, k_heads, cos, signed_sin,
                                       row_begin, row_end, head_dim));
 }

@@ -166,6 +166,9 @@ void VB_ACT(vb_rms_norm)(const act_t *x, const act_t *residual, const act_t *wei
 void VB_ACT(vb_silu_and_mul)(const act_t *x, act_t *out, int64_t rows, int d, int num_threads);
 void VB_ACT(vb_rotary)(act_t *q, int64_t q_row_stride, int q_heads, act_t *k, int64_t k_row_stride, int k_heads,
                        const act_t *cos, const act_t *signed_sin, int64_t rows, int head_dim, int num_threads);
+void VB_ACT(vb_write_kv)(const act_t *key, int64_t k_row_stride, const act_t *value, int64_t v_row_stride,
+                         kv_t *key_cache, kv_t *value_cache, const int64_t *slots, int64_t rows, int width,
+                         int num_threads);
 
 /* cpu_elementwise.c: one thread, rows [row_begin, row_end) */
 void VB_ACT(vb_rms_norm_rows)(const act_t *x, const act_t *residual, const act_t *weight, float eps, act_t *out,
@@ -174,7 +177,8 @@ void VB_ACT(vb_silu_and_mul_rows)(const act_t *x, act_t *out, int64_t row_begin,
 void VB_ACT(vb_rotary_rows)(act_t *q, int64_t q_row_stride, int q_heads, act_t *k, int64_t k_row_stride,
                             int k_heads, const act_t *cos, const act_t *signed_sin, int64_t row_begin,
                             int64_t row_end, int head_dim);
-void VB_ACT(vb_write_kv)(const act_t *key, int64_t k_row_stride, const act_t *value, int64_t v_row_stride,
-                         kv_t *key_cache, kv_t *value_cache, const int64_t *slots, int64_t rows, int width);
+void VB_ACT(vb_write_kv_rows)(const act_t *key, int64_t k_row_stride, const act_t *value, int64_t v_row_stride,
+                              kv_t *key_cache, kv_t *value_cache, const int64_t *slots, int64_t row_begin,
+                              int64_t row_end, int width);
 
 #endif

@@ -182,7 +182,7 @@ static void check_attention(int head_dim) {
     for (int r = 0, i = 0; r < reqs; ++r)
         for (int p = 0; p < seq_lens[r]; ++p, ++i) slots[i] = (int64_t)tables[r * table_stride + p / BS] * BS + p % BS;
     kv_t *kc = calloc((size_t)12 * BS * width, sizeof(kv_t)), *vc = calloc((size_t)12 * BS * width, sizeof(kv_t));
-    VB_ACT(vb_write_kv)(keys, width, values, width, kc, vc, slots, positions, width);
+    VB_ACT(vb_write_kv)(keys, width, values, width, kc, vc, slots, positions, width, 2);
     char name[32];
     snprintf(name, sizeof name, "write_kv d%d", head_dim);
     float *cache = malloc(sizeof(float) * (size_t)positions * width);
@@ -220,7 +220,7 @@ static void check_decoder_layer(int format) {
         for (int p = 0; p < 9; ++p) cached[n++] = (int64_t)tables[2] * BS + p;
         for (int l = 0; l < 2; ++l) {
             act_t *k = acts((int64_t)n * KV, 1.0f), *v = acts((int64_t)n * KV, 1.0f);
-            VB_ACT(vb_write_kv)(k, KV, v, KV, kc + (int64_t)l * 4 * BS * KV, vc + (int64_t)l * 4 * BS * KV, cached, n, KV);
+            VB_ACT(vb_write_kv)(k, KV, v, KV, kc + (int64_t)l * 4 * BS * KV, vc + (int64_t)l * 4 * BS * KV, cached, n, KV, 2);
             free(k), free(v);
         }
     }
